@@ -1,0 +1,37 @@
+# Two commands on a fresh machine with only Python: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt
+DEPS := pyproject.toml setup.py constraints.txt
+
+.PHONY: demo test lint format clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.demo-installed: $(DEPS) | $(BIN)/python
+	$(PIP) -e ".[torch]"
+	touch $@
+
+$(VENV)/.test-installed: $(DEPS) | $(BIN)/python
+	$(PIP) -e ".[torch,tf,tvm,tvm-tune,jax,tensorrt,test]"
+	touch $@ $(VENV)/.demo-installed
+
+demo: $(VENV)/.demo-installed
+	$(BIN)/python examples/demo.py
+
+lint: $(VENV)/.test-installed
+	$(BIN)/ruff check enginekit tests benchmarks examples
+	$(BIN)/ruff format --check enginekit tests benchmarks examples
+	$(BIN)/mypy
+
+format: $(VENV)/.test-installed
+	$(BIN)/ruff format enginekit tests benchmarks examples
+	$(BIN)/ruff check --fix enginekit tests benchmarks examples
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,64 @@
+"""enginekit: turn a trained model into a fast, verified inference engine on any backend.
+
+    import enginekit as ek
+    ek.export(torch_model, (x,), "model.onnx", dynamic_batch=True)
+    engine = ek.build("model.onnx", shapes={"x": [(1, 16), (8, 16), (64, 16)]}, output="m.ekit")
+    engine = ek.load("m.ekit")
+    outputs = engine.infer({"x": x})
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from enginekit.backends import Availability
+from enginekit.build import build, load
+from enginekit.config import BuildConfig, Precision, ShapeProfile, parse_shapes
+from enginekit.engine import Engine, TensorSpec
+from enginekit.errors import (
+    ArtifactError,
+    BackendUnavailable,
+    BuildError,
+    EngineInputError,
+    EnginekitError,
+    ExportError,
+    ModelError,
+    VerificationError,
+)
+from enginekit.export import export
+from enginekit.model import Model, lint_batch, load_model, make_batch_dynamic
+
+
+def backends() -> list[Availability]:
+    """Every registered backend with its availability here (installed, version, devices, why not)."""
+    from enginekit import backends as registry
+
+    return [registry.availability(n) for n in registry.names()]
+
+
+__all__ = [
+    "ArtifactError",
+    "Availability",
+    "BackendUnavailable",
+    "BuildConfig",
+    "BuildError",
+    "Engine",
+    "EngineInputError",
+    "EnginekitError",
+    "ExportError",
+    "Model",
+    "ModelError",
+    "Precision",
+    "ShapeProfile",
+    "TensorSpec",
+    "VerificationError",
+    "__version__",
+    "backends",
+    "build",
+    "export",
+    "lint_batch",
+    "load",
+    "load_model",
+    "make_batch_dynamic",
+    "parse_shapes",
+]

@@ -1,0 +1,161 @@
+"""Backend registry and contract.
+
+A backend is a module (or any object) with:
+
+- ``NAME: str`` and ``OPTIONS: dict[str, str]`` (backend option -> one-line help);
+- ``available() -> Availability``: installed? which version, which devices, why not;
+- ``build(model, config, workdir) -> BuildResult``: writes payload files into ``workdir``;
+- ``load(artifact, device) -> Engine``: fast, no compilation;
+- optionally ``supported_ops() -> list[str]`` and ``inspect(artifact) -> dict``.
+
+Built-in backends are listed in ``_BUILTIN``; third parties register more through the
+``enginekit.backends`` entry-point group (``name = "package.module"``). Modules are imported on
+first use, and import their heavy dependency lazily, so ``import enginekit`` stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from enginekit.errors import BackendUnavailable, BuildError
+
+if TYPE_CHECKING:
+    from enginekit.artifact import Artifact
+    from enginekit.config import BuildConfig
+    from enginekit.engine import Engine
+    from enginekit.model import Model
+
+_BUILTIN: dict[str, str] = {
+    "onnxruntime": "enginekit.backends.onnxruntime",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Availability:
+    """Whether a backend can build and run here, and if not, why and what to do."""
+
+    name: str
+    available: bool
+    version: str | None = None
+    devices: tuple[str, ...] = ()
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "available": self.available,
+            "version": self.version,
+            "devices": list(self.devices),
+            "reason": self.reason,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildResult:
+    """What a backend's build wrote.
+
+    Attributes:
+        files: payload file names, relative to the build's workdir.
+        metadata: backend facts for the manifest (optimization level, layout, tuning time, ...).
+        target: what the payload needs from the host: ``{"kind": "cpu", "requires": [isa flags]}``
+            or ``{"kind": "cuda", "compute_capability": "9.0"}``; ``load`` checks it.
+    """
+
+    files: tuple[str, ...]
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    target: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Backend(Protocol):
+    """The contract every backend module fulfils."""
+
+    NAME: str
+    OPTIONS: Mapping[str, str]
+
+    def available(self) -> Availability: ...
+
+    def build(self, model: Model, config: BuildConfig, workdir: Path) -> BuildResult: ...
+
+    def load(self, artifact: Artifact, device: str) -> Engine: ...
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group="enginekit.backends")}
+
+
+def names() -> list[str]:
+    """Every registered backend name, built-in first."""
+    extra = [n for n in _entry_points() if n not in _BUILTIN]
+    return list(_BUILTIN) + sorted(extra)
+
+
+_loaded: dict[str, Backend] = {}
+
+
+def get(name: str) -> Backend:
+    """The backend registered as ``name`` (imports its module, not its heavy dependency).
+
+    Raises:
+        BackendUnavailable: no backend of that name is registered.
+    """
+    if name in _loaded:
+        return _loaded[name]
+    if name in _BUILTIN:
+        backend: Any = importlib.import_module(_BUILTIN[name])
+    else:
+        eps = _entry_points()
+        if name not in eps:
+            raise BackendUnavailable(
+                f"no backend named {name!r}; registered: {', '.join(names())}"
+            )
+        backend = eps[name].load()
+        if isinstance(backend, str):
+            backend = importlib.import_module(backend)
+    _loaded[name] = backend
+    return backend  # type: ignore[no-any-return]
+
+
+def availability(name: str) -> Availability:
+    """Availability of one backend; never raises for a registered name."""
+    try:
+        return get(name).available()
+    except BackendUnavailable:
+        raise
+    except Exception as exc:  # a broken install must not break `enginekit backends`
+        return Availability(name, False, reason=f"{type(exc).__name__}: {exc}")
+
+
+def require(name: str, device: str = "cpu") -> Backend:
+    """The backend ``name``, checked to be installed and to have ``device``.
+
+    Raises:
+        BackendUnavailable: not installed, or no such device here; says what to install.
+    """
+    backend = get(name)
+    avail = availability(name)
+    if not avail.available:
+        raise BackendUnavailable(f"backend {name!r} is not available here: {avail.reason}")
+    kind = device.split(":")[0]
+    if not any(d.split(":")[0] == kind for d in avail.devices):
+        raise BackendUnavailable(
+            f"backend {name!r} has no {device!r} device here (it has: "
+            f"{', '.join(avail.devices) or 'none'})"
+        )
+    return backend
+
+
+def check_options(backend: Backend, options: Mapping[str, Any]) -> None:
+    """Refuse options the backend does not know, listing the ones it does."""
+    known = getattr(backend, "OPTIONS", {})
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        listing = ", ".join(sorted(known)) or "none"
+        raise BuildError(
+            f"backend {backend.NAME!r} has no option(s) {', '.join(map(repr, unknown))}; "
+            f"its options: {listing}"
+        )

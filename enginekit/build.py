@@ -1,0 +1,233 @@
+"""``build`` and ``load``: model + BuildConfig -> verified artifact -> Engine."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from enginekit import __version__, backends, target
+from enginekit.artifact import FORMAT_VERSION, Artifact, open_artifact, write_artifact
+from enginekit.config import BuildConfig, ShapeProfile, ShapesArg, normalize_shapes
+from enginekit.engine import Engine
+from enginekit.errors import ArtifactError, BackendUnavailable, BuildError, VerificationError
+from enginekit.model import Model, ModelSource, load_model
+from enginekit.progress import step
+from enginekit.verify import summarize, verify_engine
+
+log = logging.getLogger(__name__)
+
+
+def check_profiles(model: Model, profiles: tuple[dict[str, ShapeProfile], ...]) -> None:
+    """Every profile names real inputs, with their rank and fixed dims, and all profiles cover
+    the same inputs.
+
+    Raises:
+        BuildError: naming the input and dim at fault.
+    """
+    specs = {s.name: s for s in model.inputs}
+    covered = None
+    for i, p in enumerate(profiles):
+        for name, prof in p.items():
+            if name not in specs:
+                raise BuildError(
+                    f"shapes name input {name!r}, which the model does not have (inputs: "
+                    f"{', '.join(specs)})"
+                )
+            spec = specs[name]
+            if len(prof.min) != len(spec.shape):
+                raise BuildError(
+                    f"shapes for {name!r} have rank {len(prof.min)}; the model's input is "
+                    f"rank {len(spec.shape)} {spec.shape}"
+                )
+            for axis, d in enumerate(spec.shape):
+                if isinstance(d, int) and not prof.min[axis] == prof.max[axis] == d:
+                    raise BuildError(
+                        f"shapes for {name!r} dim {axis}: the model fixes it to {d}, the "
+                        f"profile gives {prof.min[axis]}..{prof.max[axis]}"
+                    )
+        if covered is not None and set(p) != covered:
+            raise BuildError(
+                f"profile {i} covers inputs {sorted(p)}, profile 0 covers {sorted(covered)}; "
+                "every profile must cover the same inputs"
+            )
+        covered = set(p)
+
+
+def build_key(model: Model, config: BuildConfig, backend_version: str | None, calibration: str | None = None) -> str:
+    """SHA-256 of everything that decides the build's output: same key, same engine."""
+    blob = json.dumps(
+        {
+            "model": model.sha256,
+            "config": config.to_json(),
+            "backend_version": backend_version,
+            "calibration": calibration,
+            "enginekit": __version__,
+            "host": {"machine": target.host()["machine"], "isa": target.host()["isa"]},
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def build(
+    model: ModelSource,
+    backend: str = "onnxruntime",
+    shapes: ShapesArg = None,
+    precision: str = "fp32",
+    output: str | os.PathLike | None = None,
+    device: str = "cpu",
+    verify: bool = True,
+    atol: float | None = None,
+    rtol: float | None = None,
+    config: BuildConfig | None = None,
+    **options: Any,
+) -> Engine:
+    """Build an engine from an ONNX model, verify it, optionally write the artifact, return it.
+
+    Args:
+        model: path to an ONNX file, a ModelProto or a Model.
+        backend: registered backend name.
+        shapes: per-input shapes: ``{"x": [(1, 16), (8, 16), (64, 16)]}`` (min, opt, max),
+            ``{"x": (8, 16)}`` (fixed) or trtexec text; a list of dicts for several profiles.
+        precision: fp32, fp16, bf16 or int8.
+        output: where to write the artifact (``.ekit`` file, or a directory path ending in ``/``).
+        device: ``cpu`` or ``cuda[:N]``.
+        verify: compare with ONNX Runtime CPU at build time; a mismatch raises VerificationError.
+        atol, rtol: verification tolerance (default: the precision's).
+        config: a complete BuildConfig instead of the arguments above.
+        **options: backend options (``enginekit backends --json`` lists each backend's).
+
+    Raises:
+        BuildError, VerificationError, BackendUnavailable, ModelError.
+    """
+    if config is None:
+        config = BuildConfig(
+            backend=backend,
+            profiles=normalize_shapes(shapes),
+            precision=precision,  # type: ignore[arg-type]
+            device=device,
+            verify=verify,
+            atol=atol,
+            rtol=rtol,
+            options=options,
+        )
+    with step("loading model"):
+        model = load_model(model)
+    be = backends.require(config.backend, config.device)
+    backends.check_options(be, config.options)
+    check_profiles(model, config.profiles)
+    version = be.available().version
+    workdir = Path(tempfile.mkdtemp(prefix="enginekit-build-"))
+    try:
+        start = time.perf_counter()
+        with step(f"building {config.backend} engine"):
+            result = be.build(model, config, workdir)
+        build_s = time.perf_counter() - start
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "enginekit_version": __version__,
+            "backend": {"name": config.backend, "version": version, "metadata": dict(result.metadata)},
+            "target": {**target.host(), **dict(result.target)},
+            "source": {
+                "sha256": model.sha256,
+                "path": str(model.path) if model.path else None,
+                "opset": model.opset,
+            },
+            "config": config.to_json(),
+            "inputs": [s.to_json() for s in model.inputs],
+            "outputs": [s.to_json() for s in model.outputs],
+            "profiles": config.to_json()["profiles"],
+            "precision": config.precision.value,
+            "calibration": None,
+            "build_key": build_key(model, config, version),
+            "build": {
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "build_s": round(build_s, 3),
+                "host": target.host(),
+            },
+            "verify": None,
+            "bench": None,
+        }
+        staged = Artifact(workdir, {**manifest, "payload": {n: _entry(workdir / n) for n in result.files}})
+        _stage_layout(workdir, result.files)
+        engine = be.load(staged, config.device)
+        if config.verify:
+            with step("verifying against ONNX Runtime CPU"):
+                report = verify_engine(engine, model, config)
+            manifest["verify"] = report
+            if not report["passed"]:
+                engine.close()
+                raise VerificationError(
+                    f"the {config.backend} engine disagrees with the reference past atol="
+                    f"{report['atol']}, rtol={report['rtol']}: {summarize(report)}",
+                    report,
+                )
+        if output is not None:
+            with step(f"writing {output}"):
+                written = write_artifact(output, manifest, workdir / "payload", result.files)
+            engine.manifest = open_artifact(written).manifest
+        else:
+            engine.manifest = staged.manifest | manifest
+        # The engine may map payload files (native libraries): keep them until it is gone.
+        weakref.finalize(engine, shutil.rmtree, workdir, True)
+        return engine
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
+def _entry(path: Path) -> dict[str, Any]:
+    h = hashlib.sha256(path.read_bytes()).hexdigest()
+    return {"sha256": h, "size": path.stat().st_size}
+
+
+def _stage_layout(workdir: Path, files: tuple[str, ...]) -> None:
+    """Move payload files under workdir/payload/ so the workdir reads as a directory artifact."""
+    for name in files:
+        dest = workdir / "payload" / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(workdir / name, dest)
+
+
+def load(path: str | os.PathLike, device: str | None = None) -> Engine:
+    """Load an engine artifact (``.ekit`` file or directory) and return its Engine.
+
+    Checks the format version, every payload checksum, that the backend is installed, and that
+    this host can run the artifact's target; no compilation happens here.
+
+    Raises:
+        ArtifactError: what is wrong, and what to do (usually: rebuild from the source model).
+    """
+    artifact = open_artifact(path)
+    manifest = artifact.manifest
+    name = manifest.get("backend", {}).get("name")
+    device = device or manifest.get("config", {}).get("device", "cpu")
+    try:
+        be = backends.require(str(name), str(device))
+    except BackendUnavailable as exc:
+        raise ArtifactError(f"{path}: cannot load a {name} engine here: {exc}") from None
+    problems = target.missing_features(manifest.get("target", {}))
+    if problems:
+        raise ArtifactError(
+            f"{path}: built for a host with {'; '.join(problems)}. Rebuild it on this host: "
+            f"enginekit build {manifest.get('source', {}).get('path') or '<model.onnx>'} "
+            f"--backend {name}"
+        )
+    engine = be.load(artifact, str(device))
+    engine.manifest = manifest
+    return engine
+
+
+def describe_shapes(profiles: Mapping[str, Any]) -> str:
+    """trtexec-style text of a manifest's profiles (for CLI output)."""
+    return " ".join(f"{n}:{','.join('x'.join(map(str, s)) for s in v)}" for p in profiles for n, v in p.items())

@@ -1,0 +1,241 @@
+"""Build configuration: precision, per-input shape profiles and everything else a build depends on."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Union
+
+from enginekit.errors import BuildError
+
+Shape = tuple[int, ...]
+
+
+class Precision(str, enum.Enum):
+    """Numerical precision an engine computes in."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    INT8 = "int8"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Default verification tolerance (atol, rtol) per precision; |engine - ref| <= atol + rtol * |ref|.
+DEFAULT_TOLERANCE: dict[Precision, tuple[float, float]] = {
+    Precision.FP32: (1e-4, 1e-3),
+    Precision.FP16: (1e-2, 1e-2),
+    Precision.BF16: (5e-2, 5e-2),
+    Precision.INT8: (1e-1, 1e-1),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeProfile:
+    """The range of shapes one input accepts: every dim of ``min`` <= ``opt`` <= ``max``."""
+
+    min: Shape
+    opt: Shape
+    max: Shape
+
+    def __post_init__(self) -> None:
+        for label in ("min", "opt", "max"):
+            object.__setattr__(self, label, tuple(int(d) for d in getattr(self, label)))
+        if not len(self.min) == len(self.opt) == len(self.max):
+            raise BuildError(
+                f"shape profile {self.min}, {self.opt}, {self.max}: min, opt and max must have "
+                "the same rank"
+            )
+        for axis, (lo, mid, hi) in enumerate(zip(self.min, self.opt, self.max)):
+            if lo < 0 or not lo <= mid <= hi:
+                raise BuildError(
+                    f"shape profile {self.min}, {self.opt}, {self.max}: dim {axis} needs "
+                    f"0 <= min <= opt <= max, got {lo}, {mid}, {hi}"
+                )
+
+    @classmethod
+    def fixed(cls, shape: Sequence[int]) -> ShapeProfile:
+        """A profile accepting exactly one shape."""
+        return cls(tuple(shape), tuple(shape), tuple(shape))
+
+    def contains(self, shape: Sequence[int]) -> bool:
+        """Whether ``shape`` lies inside this profile."""
+        return len(shape) == len(self.min) and all(
+            lo <= d <= hi for d, lo, hi in zip(shape, self.min, self.max)
+        )
+
+    def to_json(self) -> list[list[int]]:
+        return [list(self.min), list(self.opt), list(self.max)]
+
+
+#: One optimization profile: input name -> the shapes it accepts.
+Profile = Mapping[str, ShapeProfile]
+
+ShapesArg = Union[
+    Mapping[str, Any],
+    Sequence[Mapping[str, Any]],
+    str,
+    Sequence[str],
+    None,
+]
+
+
+def _as_profile(name: str, value: Any) -> ShapeProfile:
+    if isinstance(value, ShapeProfile):
+        return value
+    if isinstance(value, str):
+        return _parse_profile_text(name, value)
+    seq = list(value)
+    if seq and all(isinstance(d, (int,)) and not isinstance(d, bool) for d in seq):
+        return ShapeProfile.fixed(seq)
+    if len(seq) == 3 and all(isinstance(s, (list, tuple)) for s in seq):
+        return ShapeProfile(tuple(seq[0]), tuple(seq[1]), tuple(seq[2]))
+    raise BuildError(
+        f"shapes for input {name!r}: expected one shape like (8, 16) or three shapes "
+        f"[min, opt, max], got {value!r}"
+    )
+
+
+_DIMS = re.compile(r"^\d+(x\d+)*$")
+
+
+def _parse_shape_text(name: str, text: str) -> Shape:
+    text = text.strip()
+    if text == "" or text == "scalar":
+        return ()
+    if not _DIMS.match(text):
+        raise BuildError(
+            f"shapes for input {name!r}: {text!r} is not a shape; write dims joined by 'x', "
+            "e.g. 8x3x224x224"
+        )
+    return tuple(int(d) for d in text.split("x"))
+
+
+def _parse_profile_text(name: str, text: str) -> ShapeProfile:
+    parts = text.split(",")
+    if len(parts) == 1:
+        return ShapeProfile.fixed(_parse_shape_text(name, parts[0]))
+    if len(parts) == 3:
+        lo, mid, hi = (_parse_shape_text(name, p) for p in parts)
+        return ShapeProfile(lo, mid, hi)
+    raise BuildError(
+        f"shapes for input {name!r}: {text!r} must be one shape (AxB) or min,opt,max "
+        "(AxB,CxD,ExF)"
+    )
+
+
+def parse_shapes(args: str | Iterable[str]) -> tuple[dict[str, ShapeProfile], ...]:
+    """Parse trtexec-style ``name:AxB`` / ``name:min,opt,max`` specs into profiles.
+
+    Specs may be separated by spaces or given as several strings. Naming an input a second
+    time starts a new optimization profile (as TensorRT takes several).
+    """
+    items = args.split() if isinstance(args, str) else [p for a in args for p in a.split()]
+    profiles: list[dict[str, ShapeProfile]] = []
+    for item in items:
+        name, sep, rest = item.rpartition(":")
+        if not sep or not name:
+            raise BuildError(
+                f"--shapes {item!r}: expected name:AxB or name:min,opt,max (e.g. x:1x16,8x16,64x16)"
+            )
+        profile = _parse_profile_text(name, rest)
+        for p in profiles:
+            if name not in p:
+                p[name] = profile
+                break
+        else:
+            profiles.append({name: profile})
+    return tuple(profiles)
+
+
+def normalize_shapes(shapes: ShapesArg) -> tuple[dict[str, ShapeProfile], ...]:
+    """Turn any accepted form of ``shapes=`` into a tuple of profiles.
+
+    Accepted: ``{"x": [(1, 16), (8, 16), (64, 16)]}``, ``{"x": (8, 16)}``, ``{"x": "1x16,8x16,64x16"}``,
+    a list of such dicts (one per optimization profile), or trtexec-style text.
+    """
+    if shapes is None:
+        return ()
+    if isinstance(shapes, str):
+        return parse_shapes(shapes)
+    if isinstance(shapes, Mapping):
+        return ({str(k): _as_profile(str(k), v) for k, v in shapes.items()},)
+    seq = list(shapes)
+    if all(isinstance(s, str) for s in seq):
+        return parse_shapes(seq)
+    if all(isinstance(s, Mapping) for s in seq):
+        return tuple({str(k): _as_profile(str(k), v) for k, v in s.items()} for s in seq)
+    raise BuildError(f"shapes: expected a dict of input name -> shapes, got {shapes!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig:
+    """Everything a build depends on besides the model itself.
+
+    Args:
+        backend: registered backend name (``enginekit backends`` lists them).
+        profiles: optimization profiles; each maps input name -> ShapeProfile. Empty means
+            the model's own shapes, with symbolic dims unrestricted where the backend allows.
+        precision: fp32, fp16, bf16 or int8.
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        verify: run the built engine against the ONNX Runtime CPU reference at build time.
+        atol, rtol: verification tolerance; None takes the precision's default.
+        seed: seed of the random verification inputs.
+        options: backend-specific options (each backend documents and validates its own).
+    """
+
+    backend: str = "onnxruntime"
+    profiles: tuple[dict[str, ShapeProfile], ...] = ()
+    precision: Precision = Precision.FP32
+    device: str = "cpu"
+    verify: bool = True
+    atol: float | None = None
+    rtol: float | None = None
+    seed: int = 0
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "precision", Precision(self.precision))
+        except ValueError:
+            raise BuildError(
+                f"precision {self.precision!r} is not one of "
+                f"{', '.join(p.value for p in Precision)}"
+            ) from None
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise BuildError(f"device {self.device!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+
+    @property
+    def tolerance(self) -> tuple[float, float]:
+        """(atol, rtol) used by build-time verification."""
+        atol, rtol = DEFAULT_TOLERANCE[self.precision]
+        return (atol if self.atol is None else self.atol, rtol if self.rtol is None else self.rtol)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-safe dict that :meth:`from_json` turns back into an equal config."""
+        return {
+            "backend": self.backend,
+            "profiles": [{k: v.to_json() for k, v in p.items()} for p in self.profiles],
+            "precision": self.precision.value,
+            "device": self.device,
+            "verify": self.verify,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "seed": self.seed,
+            "options": dict(self.options),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BuildConfig:
+        """Inverse of :meth:`to_json`."""
+        fields = dict(data)
+        fields["profiles"] = tuple(
+            {k: ShapeProfile(*(tuple(s) for s in v)) for k, v in p.items()}
+            for p in fields.get("profiles", ())
+        )
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in fields.items() if k in known})

@@ -1,0 +1,39 @@
+"""The typed errors enginekit raises; every message says what to do next."""
+
+from __future__ import annotations
+
+
+class EnginekitError(Exception):
+    """Base of every error enginekit raises on purpose."""
+
+
+class ModelError(EnginekitError):
+    """An ONNX model cannot be read or is unsafe to read (bad file, escaping external data)."""
+
+
+class ExportError(EnginekitError):
+    """A framework model could not be exported to ONNX, or the export does not match it."""
+
+
+class BuildError(EnginekitError):
+    """An engine could not be built from a model and a BuildConfig."""
+
+
+class VerificationError(BuildError):
+    """A built engine disagrees with the reference past the tolerance (CLI exit code 3)."""
+
+    def __init__(self, message: str, report: dict | None = None) -> None:
+        super().__init__(message)
+        self.report = report or {}
+
+
+class EngineInputError(EnginekitError, ValueError):
+    """An input given to Engine.infer does not match the engine's input specs."""
+
+
+class ArtifactError(EnginekitError):
+    """An engine artifact is missing, corrupt, from another format version or for another host."""
+
+
+class BackendUnavailable(EnginekitError):
+    """A backend is not installed, or has no device it can run on here."""

@@ -1,0 +1,370 @@
+"""The ONNX model as enginekit sees it: safe loading, IO specs, content hash, batch rewriting, lint."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from enginekit.config import ShapeProfile
+from enginekit.engine import TensorSpec
+from enginekit.errors import BuildError, ModelError
+
+log = logging.getLogger(__name__)
+
+ModelSource = Union[str, os.PathLike, onnx.ModelProto, "Model"]
+
+#: Above this size a model is written with its weights as external data (protobuf caps at 2 GiB).
+_EXTERNAL_DATA_BYTES = 1 << 30
+
+
+def _external_locations(proto: onnx.ModelProto) -> list[str]:
+    locations = []
+    for tensor in _all_tensors(proto):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            entry = {e.key: e.value for e in tensor.external_data}
+            locations.append(entry.get("location", ""))
+    return sorted(set(locations))
+
+
+def _all_tensors(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
+    from onnx.external_data_helper import _get_all_tensors
+
+    return list(_get_all_tensors(proto))
+
+
+def _check_location(model_dir: Path, location: str, model_path: Path) -> Path:
+    root = model_dir.resolve()
+    target = (model_dir / location).resolve()
+    if os.path.isabs(location) or (target != root and root not in target.parents):
+        raise ModelError(
+            f"{model_path}: external data path {location!r} escapes the model's folder "
+            f"{root}; refusing to read it. Keep external data files next to the model."
+        )
+    if not target.is_file():
+        raise ModelError(
+            f"{model_path}: external data file {location!r} is missing (looked in {model_dir})"
+        )
+    return target
+
+
+def _spec_of(value: onnx.ValueInfoProto) -> TensorSpec:
+    ttype = value.type.tensor_type
+    try:
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type)).name
+    except (KeyError, TypeError, ValueError):
+        dtype = onnx.TensorProto.DataType.Name(ttype.elem_type).lower()
+    dims: list[int | str] = []
+    for d in ttype.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param"):
+            dims.append(d.dim_param)
+        else:
+            dims.append("?")
+    return TensorSpec(value.name, dtype, tuple(dims))
+
+
+def io_specs(proto: onnx.ModelProto) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """Input and output specs of a model; initializers listed as inputs (old exporters) are skipped."""
+    init = {t.name for t in proto.graph.initializer}
+    inputs = tuple(_spec_of(v) for v in proto.graph.input if v.name not in init)
+    outputs = tuple(_spec_of(v) for v in proto.graph.output)
+    return inputs, outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """An ONNX model loaded with its weights, its IO specs and its content hash.
+
+    Attributes:
+        proto: the ModelProto, external data loaded in.
+        path: the file it came from, if any.
+        sha256: SHA-256 of the model content (the file and its external data files).
+    """
+
+    proto: onnx.ModelProto
+    path: Path | None
+    sha256: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def opset(self) -> int:
+        """The model's ai.onnx opset version."""
+        return next((o.version for o in self.proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+    @property
+    def ops(self) -> list[tuple[str, str]]:
+        """(domain, op_type) of every node of the main graph, in order."""
+        return [(n.domain or "ai.onnx", n.op_type) for n in self.proto.graph.node]
+
+    def to_bytes(self) -> bytes:
+        """The serialized model (weights inline)."""
+        return self.proto.SerializeToString()
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the model; weights go to ``<name>.data`` beside it when the model is large."""
+        path = Path(path)
+        large = self.proto.ByteSize() > _EXTERNAL_DATA_BYTES
+        onnx.save_model(
+            self.proto,
+            str(path),
+            save_as_external_data=large,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data",
+        )
+        return path
+
+
+def _hash_file(h: Any, path: Path) -> None:
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+
+
+def load_model(source: ModelSource) -> Model:
+    """Load an ONNX model from a path, a ModelProto or a Model.
+
+    External data is read only from inside the model's own folder.
+
+    Raises:
+        ModelError: the file is missing, not ONNX, or its external data escapes its folder.
+    """
+    if isinstance(source, Model):
+        return source
+    if isinstance(source, onnx.ModelProto):
+        digest = hashlib.sha256(source.SerializeToString(deterministic=True)).hexdigest()
+        inputs, outputs = io_specs(source)
+        return Model(source, None, digest, inputs, outputs)
+    path = Path(source)
+    if not path.is_file():
+        raise ModelError(f"{path}: no such ONNX file")
+    try:
+        proto = onnx.load_model(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises DecodeError and friends
+        raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    if not proto.graph.node and not proto.graph.output:
+        raise ModelError(f"{path}: the file parsed but holds no graph; is it an ONNX model?")
+    h = hashlib.sha256()
+    _hash_file(h, path)
+    locations = _external_locations(proto)
+    for location in locations:
+        _hash_file(h, _check_location(path.parent, location, path))
+    if locations:
+        from onnx.external_data_helper import load_external_data_for_model
+
+        load_external_data_for_model(proto, str(path.parent))
+    inputs, outputs = io_specs(proto)
+    return Model(proto, path, h.hexdigest(), inputs, outputs)
+
+
+# -- concrete shapes and random feeds ----------------------------------------------------------
+
+
+def concrete_shapes(
+    specs: Sequence[TensorSpec],
+    profile: Mapping[str, ShapeProfile] | None,
+    point: str = "opt",
+    batch: int = 1,
+    dims: Mapping[str, int] | None = None,
+) -> dict[str, tuple[int, ...]]:
+    """One concrete shape per input: the profile's ``point`` (min/opt/max) where it names the
+    input, else the spec with ``batch`` for a leading symbolic dim and ``dims`` for named ones.
+
+    Raises:
+        BuildError: a symbolic dim has no value; the message says to pass shapes.
+    """
+    out: dict[str, tuple[int, ...]] = {}
+    for s in specs:
+        if profile and s.name in profile:
+            out[s.name] = tuple(getattr(profile[s.name], point))
+            continue
+        shape = []
+        for axis, d in enumerate(s.shape):
+            if isinstance(d, int):
+                shape.append(d)
+            elif dims and d in dims:
+                shape.append(dims[d])
+            elif axis == 0:
+                shape.append(batch)
+            else:
+                raise BuildError(
+                    f"input {s.name!r} dim {axis} is dynamic ({d!r}); give its range with "
+                    f"shapes={{'{s.name}': [min, opt, max]}} (CLI: --shapes {s.name}:AxB,CxD,ExF)"
+                )
+        out[s.name] = tuple(shape)
+    return out
+
+
+def random_feeds(
+    specs: Sequence[TensorSpec], shapes: Mapping[str, tuple[int, ...]], seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Random inputs of the given shapes: normal floats, 0/1 integers (safe as ids and masks)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for s in specs:
+        dtype = np.dtype(s.dtype)
+        shape = shapes[s.name]
+        if dtype.kind == "f":
+            feeds[s.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind in "iu":
+            feeds[s.name] = rng.integers(0, 2, shape).astype(dtype)
+        elif dtype.kind == "b":
+            feeds[s.name] = rng.integers(0, 2, shape).astype(bool)
+        else:
+            raise BuildError(f"input {s.name!r}: cannot make random data of dtype {s.dtype}")
+    return feeds
+
+
+def reference_session(model: Model, threads: int = 0) -> Any:
+    """An ONNX Runtime CPU session on the model, basic optimizations only: the reference."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model.to_bytes(), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise ModelError(f"ONNX Runtime cannot load the model: {exc}") from None
+
+
+# -- dynamic batch -------------------------------------------------------------------------------
+
+
+def _fixed_batch(proto: onnx.ModelProto) -> int | None:
+    init = {t.name for t in proto.graph.initializer}
+    sizes = set()
+    for v in proto.graph.input:
+        if v.name in init:
+            continue
+        dims = v.type.tensor_type.shape.dim
+        if not dims:
+            raise ModelError(f"input {v.name!r} is a scalar; it has no batch dim to make dynamic")
+        if dims[0].HasField("dim_value"):
+            sizes.add(dims[0].dim_value)
+    if len(sizes) > 1:
+        raise ModelError(f"inputs disagree on their leading dim ({sorted(sizes)}); no single batch dim")
+    return sizes.pop() if sizes else None
+
+
+def _constant_values(proto: onnx.ModelProto) -> dict[str, tuple[str, Any]]:
+    found: dict[str, tuple[str, Any]] = {}
+    for t in proto.graph.initializer:
+        found[t.name] = ("initializer", t)
+    for node in proto.graph.node:
+        if node.op_type == "Constant" and node.output:
+            for attr in node.attribute:
+                if attr.name == "value":
+                    found[node.output[0]] = ("constant", attr)
+    return found
+
+
+def make_batch_dynamic(source: ModelSource, name: str = "batch") -> onnx.ModelProto:
+    """Rewrite a fixed leading batch dim of inputs and outputs to the symbolic dim ``name``.
+
+    Reshape shape constants whose first entry equals the fixed batch are rewritten to 0 (copy the
+    input's dim) where shape inference proves the Reshape's input carries the batch dim. Run
+    :func:`lint_batch` on the result to confirm every output follows the batch.
+    """
+    proto = onnx.ModelProto()
+    proto.CopyFrom(load_model(source).proto)
+    batch = _fixed_batch(proto)
+    init = {t.name for t in proto.graph.initializer}
+    for v in list(proto.graph.input) + list(proto.graph.output):
+        if v.name in init:
+            continue
+        dims = v.type.tensor_type.shape.dim
+        if dims and (dims[0].HasField("dim_param") or dims[0].dim_value == batch):
+            dims[0].Clear()
+            dims[0].dim_param = name
+    del proto.graph.value_info[:]
+    if batch is None:
+        return proto
+    for _ in range(sum(n.op_type == "Reshape" for n in proto.graph.node) + 1):
+        if not _fix_one_reshape(proto, batch, name):
+            break
+    return proto
+
+
+def _fix_one_reshape(proto: onnx.ModelProto, batch: int, name: str) -> bool:
+    inferred = onnx.shape_inference.infer_shapes(proto)
+    first_dim: dict[str, str | int | None] = {}
+    for v in list(inferred.graph.value_info) + list(inferred.graph.input):
+        dims = v.type.tensor_type.shape.dim
+        first_dim[v.name] = (dims[0].dim_param or dims[0].dim_value) if dims else None
+    constants = _constant_values(proto)
+    for node in proto.graph.node:
+        if node.op_type != "Reshape" or len(node.input) < 2:
+            continue
+        if any(a.name == "allowzero" and a.i == 1 for a in node.attribute):
+            continue
+        if first_dim.get(node.input[0]) != name or node.input[1] not in constants:
+            continue
+        kind, holder = constants[node.input[1]]
+        tensor = holder if kind == "initializer" else holder.t
+        values = numpy_helper.to_array(tensor).copy()
+        if values.ndim != 1 or not len(values) or values[0] != batch:
+            continue
+        values[0] = 0
+        new_name = f"{node.input[1]}__batch_dynamic"
+        proto.graph.initializer.append(numpy_helper.from_array(values, new_name))
+        node.input[1] = new_name
+        log.info("Reshape %s: batch %d in its shape constant rewritten to 0", node.name, batch)
+        return True
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class LintIssue:
+    """An output whose leading dim did not follow the batch size."""
+
+    output: str
+    batch: int
+    shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return (
+            f"output {self.output!r} has shape {self.shape} at batch {self.batch}: its leading "
+            "dim does not follow the batch (a batch size baked into a Reshape/Expand constant?)"
+        )
+
+
+def lint_batch(
+    source: ModelSource, sizes: tuple[int, int] = (1, 3), dims: Mapping[str, int] | None = None
+) -> list[LintIssue]:
+    """Run the model at two batch sizes on ONNX Runtime CPU; report outputs that did not follow.
+
+    Returns an empty list when every output's leading dim equals the batch size at both sizes.
+
+    Raises:
+        ModelError: the model has no dynamic leading dim on its inputs, or cannot run.
+    """
+    model = load_model(source)
+    if not all(s.shape and isinstance(s.shape[0], str) for s in model.inputs):
+        raise ModelError(
+            "batch lint: not every input has a dynamic leading dim; run make_batch_dynamic first"
+        )
+    session = reference_session(model)
+    names = [o.name for o in model.outputs]
+    issues = []
+    for b in sizes:
+        feeds = random_feeds(model.inputs, concrete_shapes(model.inputs, None, batch=b, dims=dims))
+        try:
+            results = session.run(names, feeds)
+        except Exception as exc:
+            raise ModelError(f"batch lint: the model fails at batch {b}: {exc}") from None
+        for n, r in zip(names, results):
+            if r.ndim == 0 or r.shape[0] != b:
+                issues.append(LintIssue(n, b, tuple(r.shape)))
+    return issues
