@@ -1,10 +1,10 @@
 """enginekit: turn a trained model into a fast, verified inference engine on any backend.
 
-    import enginekit as ek
-    ek.export(torch_model, (x,), "model.onnx", dynamic_batch=True)
-    engine = ek.build("model.onnx", shapes={"x": [(1, 16), (8, 16), (64, 16)]}, output="m.ekit")
-    engine = ek.load("m.ekit")
-    outputs = engine.infer({"x": x})
+import enginekit as ek
+ek.export(torch_model, (x,), "model.onnx", dynamic_batch=True)
+engine = ek.build("model.onnx", shapes={"x": [(1, 16), (8, 16), (64, 16)]}, output="m.ekit")
+engine = ek.load("m.ekit")
+outputs = engine.infer({"x": x})
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from enginekit.export import export
 from enginekit.model import Model, lint_batch, load_model, make_batch_dynamic
 
 
-def backends() -> list[Availability]:
+def available_backends() -> list[Availability]:
     """Every registered backend with its availability here (installed, version, devices, why not)."""
     from enginekit import backends as registry
 
@@ -53,7 +53,7 @@ __all__ = [
     "TensorSpec",
     "VerificationError",
     "__version__",
-    "backends",
+    "available_backends",
     "build",
     "export",
     "lint_batch",

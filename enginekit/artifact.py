@@ -65,7 +65,9 @@ class Artifact:
         except (OSError, KeyError, zipfile.BadZipFile) as exc:
             raise ArtifactError(f"{self.path}: cannot read payload {name!r}: {exc}") from None
         if hashlib.sha256(data).hexdigest() != expected:
-            raise ArtifactError(f"{self.path}: payload {name!r} changed since it was built (checksum mismatch)")
+            raise ArtifactError(
+                f"{self.path}: payload {name!r} changed since it was built (checksum mismatch)"
+            )
         return data
 
     def file(self, name: str) -> Path:
@@ -87,7 +89,9 @@ class Artifact:
                 path.write_bytes(self.read(name))
                 return path
         if _sha256_file(path) != entry["sha256"]:
-            raise ArtifactError(f"{self.path}: payload {name!r} changed since it was built (checksum mismatch)")
+            raise ArtifactError(
+                f"{self.path}: payload {name!r} changed since it was built (checksum mismatch)"
+            )
         return path
 
     def close(self) -> None:
@@ -114,12 +118,18 @@ def _read_manifest_text(path: Path) -> str:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
             if bad is not None:
-                raise ArtifactError(f"{path}: member {bad!r} is corrupt (CRC mismatch); rebuild or re-download it")
+                raise ArtifactError(
+                    f"{path}: member {bad!r} is corrupt (CRC mismatch); rebuild or re-download it"
+                )
             return z.read(MANIFEST).decode("utf-8")
     except zipfile.BadZipFile as exc:
-        raise ArtifactError(f"{path}: not a valid .ekit file, truncated or corrupt ({exc}); rebuild it") from None
+        raise ArtifactError(
+            f"{path}: not a valid .ekit file, truncated or corrupt ({exc}); rebuild it"
+        ) from None
     except KeyError:
-        raise ArtifactError(f"{path}: the archive has no {MANIFEST}; not an engine artifact") from None
+        raise ArtifactError(
+            f"{path}: the archive has no {MANIFEST}; not an engine artifact"
+        ) from None
 
 
 def open_artifact(path: str | os.PathLike) -> Artifact:
@@ -153,7 +163,12 @@ def open_artifact(path: str | os.PathLike) -> Artifact:
     return artifact
 
 
-def write_artifact(path: str | os.PathLike, manifest: Mapping[str, Any], workdir: Path, files: list[str] | tuple[str, ...]) -> Path:
+def write_artifact(
+    path: str | os.PathLike,
+    manifest: Mapping[str, Any],
+    workdir: Path,
+    files: list[str] | tuple[str, ...],
+) -> Path:
     """Write ``manifest`` and the payload ``files`` (relative to ``workdir``) atomically.
 
     A path that ends with a separator or is an existing directory gets a directory artifact;
@@ -166,7 +181,8 @@ def write_artifact(path: str | os.PathLike, manifest: Mapping[str, Any], workdir
     as_dir = str(path).endswith(("/", os.sep)) or target.is_dir()
     manifest = dict(manifest)
     manifest["payload"] = {
-        name: {"sha256": _sha256_file(workdir / name), "size": (workdir / name).stat().st_size} for name in files
+        name: {"sha256": _sha256_file(workdir / name), "size": (workdir / name).stat().st_size}
+        for name in files
     }
     text = json.dumps(manifest, indent=2, sort_keys=False)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -63,7 +63,9 @@ def check_profiles(model: Model, profiles: tuple[dict[str, ShapeProfile], ...]) 
         covered = set(p)
 
 
-def build_key(model: Model, config: BuildConfig, backend_version: str | None, calibration: str | None = None) -> str:
+def build_key(
+    model: Model, config: BuildConfig, backend_version: str | None, calibration: str | None = None
+) -> str:
     """SHA-256 of everything that decides the build's output: same key, same engine."""
     blob = json.dumps(
         {
@@ -136,7 +138,11 @@ def build(
         manifest = {
             "format_version": FORMAT_VERSION,
             "enginekit_version": __version__,
-            "backend": {"name": config.backend, "version": version, "metadata": dict(result.metadata)},
+            "backend": {
+                "name": config.backend,
+                "version": version,
+                "metadata": dict(result.metadata),
+            },
             "target": {**target.host(), **dict(result.target)},
             "source": {
                 "sha256": model.sha256,
@@ -151,14 +157,18 @@ def build(
             "calibration": None,
             "build_key": build_key(model, config, version),
             "build": {
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="seconds"
+                ),
                 "build_s": round(build_s, 3),
                 "host": target.host(),
             },
             "verify": None,
             "bench": None,
         }
-        staged = Artifact(workdir, {**manifest, "payload": {n: _entry(workdir / n) for n in result.files}})
+        staged = Artifact(
+            workdir, {**manifest, "payload": {n: _entry(workdir / n) for n in result.files}}
+        )
         _stage_layout(workdir, result.files)
         engine = be.load(staged, config.device)
         if config.verify:
@@ -230,4 +240,6 @@ def load(path: str | os.PathLike, device: str | None = None) -> Engine:
 
 def describe_shapes(profiles: Mapping[str, Any]) -> str:
     """trtexec-style text of a manifest's profiles (for CLI output)."""
-    return " ".join(f"{n}:{','.join('x'.join(map(str, s)) for s in v)}" for p in profiles for n, v in p.items())
+    return " ".join(
+        f"{n}:{','.join('x'.join(map(str, s)) for s in v)}" for p in profiles for n, v in p.items()
+    )

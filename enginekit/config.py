@@ -123,8 +123,7 @@ def _parse_profile_text(name: str, text: str) -> ShapeProfile:
         lo, mid, hi = (_parse_shape_text(name, p) for p in parts)
         return ShapeProfile(lo, mid, hi)
     raise BuildError(
-        f"shapes for input {name!r}: {text!r} must be one shape (AxB) or min,opt,max "
-        "(AxB,CxD,ExF)"
+        f"shapes for input {name!r}: {text!r} must be one shape (AxB) or min,opt,max (AxB,CxD,ExF)"
     )
 
 

@@ -101,15 +101,21 @@ class Engine:
             for axis, d in enumerate(s.shape):
                 if isinstance(d, str) and d != "?":
                     shared.setdefault(d, []).append((s.name, axis))
-        self._shared_dims = tuple((sym, tuple(uses)) for sym, uses in shared.items() if len(uses) > 1)
+        self._shared_dims = tuple(
+            (sym, tuple(uses)) for sym, uses in shared.items() if len(uses) > 1
+        )
         first = [s.shape[0] if s.shape else None for s in self.inputs]
-        self._batched = bool(first) and isinstance(first[0], str) and all(d == first[0] for d in first)
+        self._batched = (
+            bool(first) and isinstance(first[0], str) and all(d == first[0] for d in first)
+        )
         self._outputs_batched = self._batched and all(
             o.shape and o.shape[0] == first[0] for o in self.outputs
         )
         self._max_batch = (
             max(min(p[n].max[0] for n in self._names) for p in self.profiles)
-            if self._batched and self.profiles and all(n in p for p in self.profiles for n in self._names)
+            if self._batched
+            and self.profiles
+            and all(n in p for p in self.profiles for n in self._names)
             else None
         )
 
@@ -196,9 +202,7 @@ class Engine:
                     f"expected {len(names)} inputs in order ({', '.join(names)}), "
                     f"got a sequence of {len(batch)}"
                 )
-            return {
-                n: v if type(v) is np.ndarray else to_numpy(v, n) for n, v in zip(names, batch)
-            }
+            return {n: v if type(v) is np.ndarray else to_numpy(v, n) for n, v in zip(names, batch)}
         if len(names) != 1:
             raise EngineInputError(
                 f"this engine has {len(names)} inputs ({', '.join(names)}); pass a dict "
@@ -300,7 +304,9 @@ class Engine:
         step = self._max_batch
         assert step is not None  # _check returns rows > 0 only when _max_batch is known
         parts = [
-            self._run_chunk({n: a[start : start + step] for n, a in feeds.items()}, min(step, rows - start))
+            self._run_chunk(
+                {n: a[start : start + step] for n, a in feeds.items()}, min(step, rows - start)
+            )
             for start in range(0, rows, step)
         ]
         return {o.name: np.concatenate([p[o.name] for p in parts]) for o in self.outputs}
@@ -311,7 +317,16 @@ class Engine:
             low = min(min(p[n].min[0] for n in self._names if n in p) for p in self.profiles)
             if rows < low:
                 feeds = {
-                    n: np.concatenate([a, np.repeat(a[-1:] if len(a) else np.zeros((1,) + a.shape[1:], a.dtype), low - rows, axis=0)])
+                    n: np.concatenate(
+                        [
+                            a,
+                            np.repeat(
+                                a[-1:] if len(a) else np.zeros((1,) + a.shape[1:], a.dtype),
+                                low - rows,
+                                axis=0,
+                            ),
+                        ]
+                    )
                     for n, a in feeds.items()
                 }
                 return {k: v[:rows] for k, v in self._run(feeds).items()}

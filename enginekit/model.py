@@ -151,7 +151,9 @@ def load_model(source: ModelSource) -> Model:
     try:
         proto = onnx.load_model(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError and friends
-        raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+        raise ModelError(
+            f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})"
+        ) from None
     if not proto.graph.node and not proto.graph.output:
         raise ModelError(f"{path}: the file parsed but holds no graph; is it an ONNX model?")
     h = hashlib.sha256()
@@ -254,7 +256,9 @@ def _fixed_batch(proto: onnx.ModelProto) -> int | None:
         if dims[0].HasField("dim_value"):
             sizes.add(dims[0].dim_value)
     if len(sizes) > 1:
-        raise ModelError(f"inputs disagree on their leading dim ({sorted(sizes)}); no single batch dim")
+        raise ModelError(
+            f"inputs disagree on their leading dim ({sorted(sizes)}); no single batch dim"
+        )
     return sizes.pop() if sizes else None
 
 

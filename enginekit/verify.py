@@ -74,9 +74,20 @@ def verify_engine(engine: Engine, model: Model, config: BuildConfig) -> dict[str
         feeds = random_feeds(model.inputs, shapes, seed=config.seed + i)
         ref = dict(zip(names, session.run(names, feeds)))
         got = engine.infer(feeds)
-        cases.append({"shapes": {k: list(v) for k, v in shapes.items()}, "outputs": compare_outputs(got, ref, atol, rtol)})
+        cases.append(
+            {
+                "shapes": {k: list(v) for k, v in shapes.items()},
+                "outputs": compare_outputs(got, ref, atol, rtol),
+            }
+        )
     passed = all(o["passed"] for c in cases for o in c["outputs"].values())
-    return {"passed": passed, "atol": atol, "rtol": rtol, "reference": "onnxruntime-cpu", "cases": cases}
+    return {
+        "passed": passed,
+        "atol": atol,
+        "rtol": rtol,
+        "reference": "onnxruntime-cpu",
+        "cases": cases,
+    }
 
 
 def summarize(report: Mapping[str, Any]) -> str:
@@ -85,6 +96,9 @@ def summarize(report: Mapping[str, Any]) -> str:
     for case in report.get("cases", []):
         for name, o in case["outputs"].items():
             if not o["passed"]:
-                detail = o.get("error") or f"max abs error {o['max_abs']:.3g}, max rel {o['max_rel']:.3g}"
+                detail = (
+                    o.get("error")
+                    or f"max abs error {o['max_abs']:.3g}, max rel {o['max_rel']:.3g}"
+                )
                 lines.append(f"output {name!r} at {case['shapes']}: {detail}")
     return "; ".join(lines)

@@ -110,9 +110,7 @@ def get(name: str) -> Backend:
     else:
         eps = _entry_points()
         if name not in eps:
-            raise BackendUnavailable(
-                f"no backend named {name!r}; registered: {', '.join(names())}"
-            )
+            raise BackendUnavailable(f"no backend named {name!r}; registered: {', '.join(names())}")
         backend = eps[name].load()
         if isinstance(backend, str):
             backend = importlib.import_module(backend)

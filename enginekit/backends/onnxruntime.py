@@ -100,7 +100,10 @@ def _providers(options: dict[str, Any], device: str) -> list[str]:
 
 def _provider_options(providers: list[str], device: str) -> list[dict[str, str]]:
     index = device.partition(":")[2] or "0"
-    return [{"device_id": index} if p in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else {} for p in providers]
+    return [
+        {"device_id": index} if p in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else {}
+        for p in providers
+    ]
 
 
 def _session_options(options: dict[str, Any], level: str) -> Any:
@@ -189,7 +192,9 @@ class OrtEngine(Engine):
         io_binding: whether calls go through IOBinding.
     """
 
-    def __init__(self, session: Any, manifest: dict[str, Any], io_binding: bool, device: str) -> None:
+    def __init__(
+        self, session: Any, manifest: dict[str, Any], io_binding: bool, device: str
+    ) -> None:
         from enginekit.config import BuildConfig
 
         config = BuildConfig.from_json(manifest["config"])

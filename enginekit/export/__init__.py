@@ -31,7 +31,9 @@ def exporters() -> dict[str, Any]:
     return found
 
 
-def export(model: Any, args: Any = None, path: str | os.PathLike = "model.onnx", **options: Any) -> Path:
+def export(
+    model: Any, args: Any = None, path: str | os.PathLike = "model.onnx", **options: Any
+) -> Path:
     """Export a framework model to an ONNX file, checked against the framework's own outputs.
 
     Args:

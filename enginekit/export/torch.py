@@ -34,7 +34,9 @@ def accepts(obj: Any) -> bool:
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     # The exporter logs a warning per missing torchvision op and per fallback; keep ours clean.
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")]
+    loggers = [
+        logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")
+    ]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
@@ -53,7 +55,9 @@ def _arg_names(model: Any, count: int) -> list[str]:
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]  # fmt: skip
     if len(params) < count:
-        raise ExportError(f"forward() takes {len(params)} positional inputs, got {count} example inputs")
+        raise ExportError(
+            f"forward() takes {len(params)} positional inputs, got {count} example inputs"
+        )
     return [p.name for p in params[:count]]
 
 
@@ -65,10 +69,14 @@ def _flatten(out: Any) -> tuple[list[str] | None, list[Any]]:
         return [str(k) for k in out], list(out.values())
     if isinstance(out, (list, tuple)):
         return None, list(out)
-    raise ExportError(f"forward() returned a {type(out).__name__}; expected tensors (a tensor, tuple, list or dict)")
+    raise ExportError(
+        f"forward() returned a {type(out).__name__}; expected tensors (a tensor, tuple, list or dict)"
+    )
 
 
-def _resized(args: tuple[Any, ...], axes: Mapping[int, dict[int, str]], size_of: Mapping[str, int]) -> tuple[Any, ...]:
+def _resized(
+    args: tuple[Any, ...], axes: Mapping[int, dict[int, str]], size_of: Mapping[str, int]
+) -> tuple[Any, ...]:
     """Copies of the example inputs with each dynamic dim resized (rows repeated cyclically)."""
     torch = sys.modules["torch"]
     out = []
@@ -115,7 +123,9 @@ def export(
     names = _arg_names(model, len(args))
     unknown = set(dynamic_dims or {}) - set(names)
     if unknown:
-        raise ExportError(f"dynamic_dims name {sorted(unknown)}, which are not forward() inputs ({', '.join(names)})")
+        raise ExportError(
+            f"dynamic_dims name {sorted(unknown)}, which are not forward() inputs ({', '.join(names)})"
+        )
 
     axes: dict[int, dict[int, str]] = {}
     for i, (n, a) in enumerate(zip(names, args)):
@@ -124,7 +134,9 @@ def export(
             dims.setdefault(0, "batch")
         for axis in dims:
             if not -a.ndim <= axis < a.ndim:
-                raise ExportError(f"dynamic_dims[{n!r}] names axis {axis}; the input has rank {a.ndim}")
+                raise ExportError(
+                    f"dynamic_dims[{n!r}] names axis {axis}; the input has rank {a.ndim}"
+                )
         axes[i] = {axis % a.ndim: sym for axis, sym in dims.items()}
     # torch.export specializes dims of size 0 or 1: export at size >= 2, check at two sizes.
     example_size: dict[str, int] = {}
@@ -134,14 +146,20 @@ def export(
     export_size = {s: max(2, n) for s, n in example_size.items()}
     export_args = _resized(args, axes, export_size)
     syms = {s: torch.export.Dim(s) for s in export_size}
-    dynamic_shapes = {n: {axis: syms[sym] for axis, sym in axes[i].items()} for i, n in enumerate(names)}
+    dynamic_shapes = {
+        n: {axis: syms[sym] for axis, sym in axes[i].items()} for i, n in enumerate(names)
+    }
 
     with torch.no_grad():
         keys, outs = _flatten(model(*export_args))
     if output_names is None:
-        output_names = keys or (["output"] if len(outs) == 1 else [f"output_{i}" for i in range(len(outs))])
+        output_names = keys or (
+            ["output"] if len(outs) == 1 else [f"output_{i}" for i in range(len(outs))]
+        )
     elif len(output_names) != len(outs):
-        raise ExportError(f"output_names has {len(output_names)} names; forward() returns {len(outs)} outputs")
+        raise ExportError(
+            f"output_names has {len(output_names)} names; forward() returns {len(outs)} outputs"
+        )
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -179,7 +197,9 @@ def _summary(exc: BaseException) -> str:
     return " ".join(text.split())[:800]
 
 
-def _check(model: Any, onnx_path: Path, names: list[str], args: tuple[Any, ...], atol: float, rtol: float) -> None:
+def _check(
+    model: Any, onnx_path: Path, names: list[str], args: tuple[Any, ...], atol: float, rtol: float
+) -> None:
     import onnxruntime as ort
     import torch
 
@@ -208,4 +228,6 @@ def _check(model: Any, onnx_path: Path, names: list[str], args: tuple[Any, ...],
                 f"{float(diff.max()):.3g} (atol={atol}, rtol={rtol}) at inputs "
                 f"{[tuple(a.shape) for a in args]}"
             )
-    log.info("export check at %s: largest difference %.3g (%s)", [tuple(a.shape) for a in args], *worst)
+    log.info(
+        "export check at %s: largest difference %.3g (%s)", [tuple(a.shape) for a in args], *worst
+    )

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny ONNX models exported once per session, and an ONNX Runtime reference."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from models import CASES, export_case
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def onnx_model(model_dir: Path):
+    """``onnx_model(name)`` -> path of the exported case (exported on first use)."""
+    pytest.importorskip("torch", reason="the test models are exported from PyTorch")
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = export_case(name, model_dir)
+        return cache[name]
+
+    return get
+
+
+def reference(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Outputs of ONNX Runtime CPU on the source model: what every backend is held to."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, feeds)))
+
+
+@pytest.fixture(scope="session")
+def mlp_path(onnx_model) -> Path:
+    return onnx_model("mlp")
+
+
+__all__ = ["CASES", "reference"]
