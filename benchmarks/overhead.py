@@ -52,7 +52,9 @@ def per_call(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter_ns() - start) / calls
 
 
-def side_by_side(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, list[float]]:
+def side_by_side(
+    fns: dict[str, Callable[[], object]], rounds: int, calls: int
+) -> dict[str, list[float]]:
     for fn in fns.values():  # warm up
         per_call(fn, calls // 10 + 1)
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -81,7 +83,9 @@ def main() -> None:
     engine = ek.build(model, shapes=shapes, verify=False, intra_op_threads=1)
     bound = ek.build(model, shapes=shapes, verify=False, intra_op_threads=1, io_binding=True)
     session = engine.session
-    print(f"onnxruntime {engine.manifest['backend']['version']}, tiny MLP 16-32-4, 1 intra-op thread")
+    print(
+        f"onnxruntime {engine.manifest['backend']['version']}, tiny MLP 16-32-4, 1 intra-op thread"
+    )
 
     x1 = np.random.default_rng(1).standard_normal((1, 16)).astype(np.float32)
     times = side_by_side(
@@ -95,10 +99,16 @@ def main() -> None:
     )
     med = {k: statistics.median(v) / 1e3 for k, v in times.items()}
     r, lo, hi = ratio(times, "engine", "raw")
-    print(f"batch 1: InferenceSession.run {med['raw']:.2f} us, Engine.infer(dict) {med['engine']:.2f} us, Engine.infer(array) {med['engine_array']:.2f} us")
-    print(f"Engine.infer / InferenceSession.run = {r:.3f}x (rounds: {lo:.3f}..{hi:.3f}); goal <= 1.03 -> {'met' if r <= 1.03 else 'MISSED'}")
+    print(
+        f"batch 1: InferenceSession.run {med['raw']:.2f} us, Engine.infer(dict) {med['engine']:.2f} us, Engine.infer(array) {med['engine_array']:.2f} us"
+    )
+    print(
+        f"Engine.infer / InferenceSession.run = {r:.3f}x (rounds: {lo:.3f}..{hi:.3f}); goal <= 1.03 -> {'met' if r <= 1.03 else 'MISSED'}"
+    )
     r2, lo2, hi2 = ratio(times, "engine_array", "raw")
-    print(f"Engine.infer(single array) / InferenceSession.run = {r2:.3f}x (rounds: {lo2:.3f}..{hi2:.3f})")
+    print(
+        f"Engine.infer(single array) / InferenceSession.run = {r2:.3f}x (rounds: {lo2:.3f}..{hi2:.3f})"
+    )
 
     for batch in (1, 64):
         xb = np.random.default_rng(batch).standard_normal((batch, 16)).astype(np.float32)

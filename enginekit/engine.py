@@ -11,14 +11,14 @@ import concurrent.futures
 import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
 from enginekit.config import ShapeProfile
 from enginekit.errors import EngineInputError, EnginekitError
 
-Dim = Union[int, str]
+Dim = int | str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class TensorSpec:
 _UNCHECKED = object()
 _CHECKED_MAX = 4096  # distinct (dtype, shape) signatures remembered per engine
 
-Batch = Union[Mapping[str, Any], Sequence[Any], np.ndarray, Any]
+Batch = Mapping[str, Any] | Sequence[Any] | np.ndarray | Any
 
 
 def to_numpy(value: Any, name: str) -> np.ndarray:

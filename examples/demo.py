@@ -53,7 +53,9 @@ def main() -> None:
     work = Path("demo-out")
     work.mkdir(exist_ok=True)
 
-    onnx_path = ek.export(model, (torch.randn(1, 3, 32, 32),), work / "cnn.onnx", dynamic_batch=True)
+    onnx_path = ek.export(
+        model, (torch.randn(1, 3, 32, 32),), work / "cnn.onnx", dynamic_batch=True
+    )
     print(f"exported   {onnx_path}")
 
     ek.build(
@@ -73,12 +75,16 @@ def main() -> None:
     with torch.no_grad():
         expected = model(torch.from_numpy(batch)).numpy()
     agree = float((logits.argmax(1) == expected.argmax(1)).mean())
-    print(f"inference  batch of 32 -> {logits.shape}; max abs diff vs PyTorch {np.abs(logits - expected).max():.2e}, top-1 agreement {agree:.0%}")
+    print(
+        f"inference  batch of 32 -> {logits.shape}; max abs diff vs PyTorch {np.abs(logits - expected).max():.2e}, top-1 agreement {agree:.0%}"
+    )
 
     ek_rate = throughput(lambda: engine.infer(batch), len(batch))
     with torch.no_grad():
         pt_rate = throughput(lambda: model(torch.from_numpy(batch)), len(batch))
-    print(f"throughput enginekit {ek_rate:,.0f} images/s, PyTorch eager {pt_rate:,.0f} images/s ({ek_rate / pt_rate:.2f}x)")
+    print(
+        f"throughput enginekit {ek_rate:,.0f} images/s, PyTorch eager {pt_rate:,.0f} images/s ({ek_rate / pt_rate:.2f}x)"
+    )
     engine.close()
 
 

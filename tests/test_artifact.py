@@ -80,7 +80,9 @@ def test_bit_flip_in_payload_is_refused(built, tmp_path):
 
 
 def test_payload_rewritten_with_valid_crc_fails_checksum(built, tmp_path):
-    bad = rewrite(built, tmp_path / "tampered.ekit", payload_bytes=lambda b: b[:-1] + bytes([b[-1] ^ 1]))
+    bad = rewrite(
+        built, tmp_path / "tampered.ekit", payload_bytes=lambda b: b[:-1] + bytes([b[-1] ^ 1])
+    )
     with pytest.raises(ek.ArtifactError, match="changed since it was built"):
         ek.load(bad)
 

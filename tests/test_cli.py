@@ -24,20 +24,41 @@ def cli(*args: str, cwd: Path | None = None, prelude: str = "") -> subprocess.Co
 @pytest.fixture(scope="module")
 def built(mlp_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "mlp.ekit"
-    r = cli("build", str(mlp_path), "--backend", "onnxruntime", "--shapes", "x:1x16,8x16,64x16", "-o", str(out))
+    r = cli(
+        "build",
+        str(mlp_path),
+        "--backend",
+        "onnxruntime",
+        "--shapes",
+        "x:1x16,8x16,64x16",
+        "-o",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     assert "verified against ONNX Runtime CPU" in r.stdout
     return out
 
 
 def test_console_script_is_installed():
-    r = subprocess.run([Path(sys.executable).with_name("enginekit"), "--version"], capture_output=True, text=True)
+    r = subprocess.run(
+        [Path(sys.executable).with_name("enginekit"), "--version"], capture_output=True, text=True
+    )
     assert r.returncode == 0 and r.stdout.startswith("enginekit ")
 
 
 def test_build_json_prints_manifest(mlp_path, tmp_path):
     out = tmp_path / "m.ekit"
-    r = cli("build", str(mlp_path), "--shapes", "x:1x16,8x16,64x16", "-O", "intra_op_threads=1", "-o", str(out), "--json")
+    r = cli(
+        "build",
+        str(mlp_path),
+        "--shapes",
+        "x:1x16,8x16,64x16",
+        "-O",
+        "intra_op_threads=1",
+        "-o",
+        str(out),
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     manifest = json.loads(r.stdout)
     assert manifest["config"]["options"] == {"intra_op_threads": 1}
@@ -65,7 +86,11 @@ def test_inspect_model_and_artifact(built, mlp_path):
     assert info["kind"] == "onnx" and info["batch_lint"]["passed"] is True
     assert info["inputs"][0]["shape"] == ["batch", 16]
     r = cli("inspect", str(built))
-    assert r.returncode == 0 and "backend    onnxruntime" in r.stdout and "verified   passed" in r.stdout
+    assert (
+        r.returncode == 0
+        and "backend    onnxruntime" in r.stdout
+        and "verified   passed" in r.stdout
+    )
     assert json.loads(cli("inspect", str(built), "--json").stdout)["kind"] == "artifact"
 
 

@@ -103,7 +103,9 @@ def test_nan_passes_through(mlp):
 def test_accepts_torch_tensors_through_dlpack(mlp):
     torch = pytest.importorskip("torch")
     batch = x(3)
-    np.testing.assert_array_equal(mlp.infer(torch.from_numpy(batch))["output"], mlp.infer(batch)["output"])
+    np.testing.assert_array_equal(
+        mlp.infer(torch.from_numpy(batch))["output"], mlp.infer(batch)["output"]
+    )
     with pytest.raises(ek.EngineInputError, match="float64"):
         mlp.infer(torch.zeros(3, 16, dtype=torch.float64))
 

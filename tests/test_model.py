@@ -11,10 +11,14 @@ import enginekit as ek
 from enginekit.model import io_specs
 
 
-def fixed_batch_model(batch: int = 2, bake_reshape: bool = True, opset: int = 13) -> onnx.ModelProto:
+def fixed_batch_model(
+    batch: int = 2, bake_reshape: bool = True, opset: int = 13
+) -> onnx.ModelProto:
     """x[batch,4,4] -> Reshape to [batch,16] (batch baked into the constant) -> MatMul -> y."""
     w = numpy_helper.from_array(np.arange(16 * 3, dtype=np.float32).reshape(16, 3) / 10, "w")
-    shape = numpy_helper.from_array(np.array([batch if bake_reshape else -1, 16], np.int64), "shape")
+    shape = numpy_helper.from_array(
+        np.array([batch if bake_reshape else -1, 16], np.int64), "shape"
+    )
     nodes = [
         helper.make_node("Reshape", ["x", "shape"], ["flat"], name="flatten_reshape"),
         helper.make_node("MatMul", ["flat", "w"], ["y"], name="mm"),
@@ -37,7 +41,11 @@ def test_make_batch_dynamic_rewrites_io_and_baked_reshape():
     assert ek.lint_batch(model) == []
     x = np.random.default_rng(0).standard_normal((5, 4, 4)).astype(np.float32)
     engine = ek.build(model, shapes={"x": [(1, 4, 4), (4, 4, 4), (8, 4, 4)]})
-    np.testing.assert_allclose(engine.infer(x)["y"], x.reshape(5, 16) @ (np.arange(48, dtype=np.float32).reshape(16, 3) / 10), rtol=1e-5)
+    np.testing.assert_allclose(
+        engine.infer(x)["y"],
+        x.reshape(5, 16) @ (np.arange(48, dtype=np.float32).reshape(16, 3) / 10),
+        rtol=1e-5,
+    )
 
 
 def test_lint_reports_output_that_ignores_batch():
@@ -81,13 +89,22 @@ def test_hash_is_stable_and_content_based(tmp_path):
     onnx.save(model, b)
     assert ek.load_model(a).sha256 == ek.load_model(b).sha256
     changed = fixed_batch_model()
-    changed.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.zeros((16, 3), np.float32), "w"))
+    changed.graph.initializer[0].CopyFrom(
+        numpy_helper.from_array(np.zeros((16, 3), np.float32), "w")
+    )
     onnx.save(changed, b)
     assert ek.load_model(a).sha256 != ek.load_model(b).sha256
 
 
 def _save_external(model: onnx.ModelProto, path, location: str) -> None:
-    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=location, size_threshold=0)
+    onnx.save(
+        model,
+        path,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=location,
+        size_threshold=0,
+    )
 
 
 def test_external_data_inside_folder_loads_and_is_hashed(tmp_path):

@@ -50,7 +50,10 @@ def test_session_options_are_applied_on_load(mlp_path, tmp_path):
     out = tmp_path / "m.ekit"
     ek.build(mlp_path, output=out, intra_op_threads=1, execution_mode="parallel").close()
     engine = ek.load(out)
-    assert engine.manifest["config"]["options"] == {"intra_op_threads": 1, "execution_mode": "parallel"}
+    assert engine.manifest["config"]["options"] == {
+        "intra_op_threads": 1,
+        "execution_mode": "parallel",
+    }
     assert engine.session.get_session_options().intra_op_num_threads == 1
 
 

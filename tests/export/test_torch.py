@@ -23,7 +23,9 @@ class Tiny(torch.nn.Module):
 def dims(path, kind="input"):
     proto = onnx.load(path)
     values = proto.graph.input if kind == "input" else proto.graph.output
-    return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
+    return {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values
+    }
 
 
 def test_batch_one_example_still_exports_dynamic_batch(tmp_path):
@@ -41,8 +43,8 @@ def _same_weights(path):
     model = Tiny()
     init = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
     with torch.no_grad():
-        model.fc.weight.copy_(torch.from_numpy(init["fc.weight"]))
-        model.fc.bias.copy_(torch.from_numpy(init["fc.bias"]))
+        model.fc.weight.copy_(torch.from_numpy(init["fc.weight"].copy()))
+        model.fc.bias.copy_(torch.from_numpy(init["fc.bias"].copy()))
     return model
 
 
@@ -52,7 +54,9 @@ def test_named_dims_by_forward_argument(onnx_model):
 
 
 def test_static_export_and_output_names(tmp_path):
-    path = ek.export(Tiny(), torch.randn(2, 6), tmp_path / "s.onnx", dynamic_batch=False, output_names=["probs"])
+    path = ek.export(
+        Tiny(), torch.randn(2, 6), tmp_path / "s.onnx", dynamic_batch=False, output_names=["probs"]
+    )
     assert dims(path) == {"x": [2, 6]} and dims(path, "output") == {"probs": [2, 3]}
 
 
@@ -61,7 +65,9 @@ def test_mismatch_with_eager_raises_export_error_with_difference(tmp_path):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + torch.rand_like(x)  # ONNX RandomUniformLike draws other numbers
 
-    with pytest.raises(ek.ExportError, match="does not match PyTorch: output 'output' differs by up to"):
+    with pytest.raises(
+        ek.ExportError, match="does not match PyTorch: output 'output' differs by up to"
+    ):
         ek.export(Noisy(), torch.zeros(3, 4), tmp_path / "noisy.onnx")
     assert list(tmp_path.iterdir()) == []
 
