@@ -1,5 +1,11 @@
 """Optional MetaSchedule tuning of static-batch modules, with a database users keep.
 
+Candidates are built and measured in this process, one after another (see
+:func:`_in_process_builder`), not in MetaSchedule's worker pools: each pool worker imports
+``tvm.s_tir.tensor_intrin``, whose ~500 TVMScript functions each call ``inspect.stack()``;
+with PyTorch imported (``tvm_ffi`` imports it whenever it is installed) that took minutes
+per worker here, and the 300 s builder timeout then failed every candidate.
+
 The database directory holds MetaSchedule's JSON database (``database_workload.json``,
 ``database_tuning_record.json``), its logs, and ``enginekit-ledger.json``: for each task
 (kernel workload x target) the per-task trial budget it was already given. A build skips the
@@ -11,10 +17,13 @@ records already there.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import linecache
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,7 +34,9 @@ from enginekit.errors import BuildError
 log = logging.getLogger(__name__)
 
 LEDGER = "enginekit-ledger.json"
-_KEYS = {"trials", "batch_sizes", "builder_timeout", "runner_timeout"}
+#: Per-kernel trials from which the evolutionary search (cost model) replaces random sampling.
+_EVOLVE_FROM = 16
+_KEYS = {"trials", "batch_sizes"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,15 +45,13 @@ class TuneSpec:
 
     trials: int
     batch_sizes: tuple[int, ...]
-    builder_timeout: float = 300.0
-    runner_timeout: float = 60.0
 
 
 def parse_tune(value: Any, default_batch: int) -> TuneSpec | None:
     """The ``tune`` option as a TuneSpec (None or trials 0: no tuning).
 
-    Accepted: ``{"trials": 256, "batch_sizes": [1, 8]}`` (``builder_timeout``,
-    ``runner_timeout`` in seconds optional), or a bare int of trials at ``default_batch``.
+    Accepted: ``{"trials": 256, "batch_sizes": [1, 8]}``, or a bare int of trials at
+    ``default_batch``.
 
     Raises:
         BuildError: unknown keys, a non-positive budget or batch size.
@@ -74,19 +83,17 @@ def parse_tune(value: Any, default_batch: int) -> TuneSpec | None:
     return TuneSpec(
         trials=trials,
         batch_sizes=tuple(sorted(set(sizes))),
-        builder_timeout=float(spec.get("builder_timeout", 300.0)),
-        runner_timeout=float(spec.get("runner_timeout", 60.0)),
     )
 
 
 def require_tuning_deps() -> None:
-    """MetaSchedule's cost model needs xgboost and its runner psutil.
+    """MetaSchedule needs xgboost (cost model), psutil and cloudpickle (its worker pools).
 
     Raises:
         BuildError: naming what is missing and the extra that installs it.
     """
     missing = []
-    for name in ("xgboost", "psutil"):
+    for name in ("xgboost", "psutil", "cloudpickle"):
         try:
             __import__(name)
         except ImportError:
@@ -120,10 +127,105 @@ def _save_ledger(db_dir: Path, ledger: Mapping[str, Any]) -> None:
 
 
 def _task_key(task: Any, target: Any) -> str:
-    import tvm
+    import tvm_ffi
 
-    shash = tvm.ir.structural_hash(task.dispatched[0])
+    shash = int(tvm_ffi.structural_hash(task.dispatched[0]))
     return f"{shash & 0xFFFFFFFFFFFFFFFF:016x}:{json.dumps(dict(target.export()), sort_keys=True, default=str)}"
+
+
+def _fast_stack(context: int = 1) -> list[inspect.FrameInfo]:
+    """``inspect.stack`` without its per-frame scan of ``sys.modules`` (what TVMScript's
+    parser needs from it: frames, file names, line numbers, the source line)."""
+    frame = sys._getframe(1)
+    out = []
+    while frame is not None:
+        code = frame.f_code
+        line = linecache.getline(code.co_filename, frame.f_lineno)
+        out.append(
+            inspect.FrameInfo(
+                frame, code.co_filename, frame.f_lineno, code.co_name,
+                [line] if line else None, 0 if line else None,
+            )  # fmt: skip
+        )
+        frame = frame.f_back
+    return out
+
+
+def import_tensor_intrinsics() -> None:
+    """Import ``tvm.s_tir.tensor_intrin`` (MetaSchedule needs it) in seconds, not minutes.
+
+    ``inspect.stack`` is swapped for :func:`_fast_stack` during this one import only.
+    """
+    if "tvm.s_tir.tensor_intrin" in sys.modules:
+        return
+    original = inspect.stack
+    inspect.stack = _fast_stack  # type: ignore[assignment]
+    try:
+        import tvm.s_tir.tensor_intrin  # noqa: F401
+    finally:
+        inspect.stack = original
+
+
+def _in_process_builder() -> Any:
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.builder.local_builder import default_build, default_export
+    from tvm.ir.utils import derived_object
+
+    @derived_object
+    class InProcessBuilder(ms.builder.PyBuilder):
+        def build(self, build_inputs: list[Any]) -> list[Any]:
+            results = []
+            for item in build_inputs:
+                try:
+                    path = default_export(default_build(item.mod, item.target, None))
+                    results.append(ms.builder.BuilderResult(path, None))
+                except Exception as exc:  # a candidate that does not compile: MS skips it
+                    results.append(ms.builder.BuilderResult(None, f"{type(exc).__name__}: {exc}"))
+            return results
+
+    return InProcessBuilder()
+
+
+def _in_process_runner(config: Any) -> Any:
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.runner.local_runner import (
+        default_alloc_argument,
+        default_run_evaluator,
+    )
+    from tvm.ir.utils import derived_object
+
+    @derived_object
+    class Done(ms.runner.PyRunnerFuture):
+        def __init__(self, result: Any) -> None:
+            super().__init__()
+            self._result = result
+
+        def done(self) -> bool:
+            return True
+
+        def result(self) -> Any:
+            return self._result
+
+    @derived_object
+    class InProcessRunner(ms.runner.PyRunner):
+        def run(self, runner_inputs: list[Any]) -> list[Any]:
+            futures = []
+            for item in runner_inputs:
+                try:
+                    module = tvm.runtime.load_module(item.artifact_path)
+                    device = tvm.runtime.device(item.device_type, 0)
+                    args = default_alloc_argument(
+                        device, [a.as_json() for a in item.args_info], 1
+                    )
+                    costs = default_run_evaluator(module, device, config, args)
+                    result = ms.runner.RunnerResult([float(c) for c in costs], None)
+                except Exception as exc:
+                    result = ms.runner.RunnerResult(None, f"{type(exc).__name__}: {exc}")
+                futures.append(Done(result))
+            return futures
+
+    return InProcessRunner()
 
 
 def open_database(db_dir: Path) -> Any:
@@ -149,6 +251,7 @@ def tune(mod: Any, target: Any, spec: TuneSpec, db_dir: Path, label: str) -> dic
 
     require_tuning_deps()
     start = time.perf_counter()
+    import_tensor_intrinsics()
     database = open_database(db_dir)
     tasks = [
         t
@@ -173,9 +276,14 @@ def tune(mod: Any, target: Any, spec: TuneSpec, db_dir: Path, label: str) -> dic
             label, len(todo), len(tasks), share, len(tasks) - len(todo), db_dir,
         )  # fmt: skip
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
-            [t for t, _ in todo], work_dir=str(db_dir), num_threads=os.cpu_count() or 1, seed=0
+            [t for t, _ in todo],
+            work_dir=str(db_dir),
+            num_threads=os.cpu_count() or 1,
+            seed=0,
+            # Evolutionary search evolves 512 candidates per round with its cost model (~20 s a
+            # round per kernel here): worth it for real budgets, not for a handful of trials.
+            strategy="evolutionary" if share >= _EVOLVE_FROM else "replay-trace",
         )
-        cores = os.cpu_count() or 1
         ms.tune_tasks(
             tasks=contexts,
             task_weights=weights,
@@ -183,12 +291,11 @@ def tune(mod: Any, target: Any, spec: TuneSpec, db_dir: Path, label: str) -> dic
             max_trials_global=share * len(todo),
             max_trials_per_task=share,
             num_trials_per_iter=min(64, share),
-            builder=ms.builder.LocalBuilder(max_workers=cores, timeout_sec=spec.builder_timeout),
-            runner=ms.runner.LocalRunner(
-                timeout_sec=spec.runner_timeout,
-                evaluator_config=ms.runner.EvaluatorConfig(
+            builder=_in_process_builder(),
+            runner=_in_process_runner(
+                ms.runner.EvaluatorConfig(
                     number=3, repeat=1, min_repeat_ms=40, enable_cpu_cache_flush=False
-                ),
+                )
             ),
             database=database,
         )
