@@ -73,13 +73,43 @@ def _add_build(sub: Any) -> None:
         help="backend option (value parsed as JSON when it is JSON); see `enginekit backends --json`",
     )
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    _add_tvm_flags(p)
     p.set_defaults(func=_cmd_build)
+
+
+def _add_tvm_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tvm backend (shorthands for -O options)")
+    g.add_argument("--layout", choices=["NHWC", "NCHW"], help="conv layout (default NHWC on CPU)")
+    g.add_argument("--target", help="TVM target: JSON dict, 'llvm' (portable) or 'cuda'")
+    g.add_argument("--tune-trials", type=int, help="MetaSchedule trials per tuned batch size")
+    g.add_argument(
+        "--tune-batch", type=int, action="append", help="batch size to tune (repeatable)"
+    )
+    g.add_argument("--tuning-db", help="tuning database directory to keep and reuse")
+
+
+def _tvm_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The --layout/--target/--tune-*/--tuning-db flags as backend options."""
+    out: dict[str, Any] = {}
+    if args.layout:
+        out["layout"] = args.layout
+    if args.target:
+        out["target"] = _parse_option(f"target={args.target}")[1]
+    if args.tune_trials is not None:
+        out["tune"] = {"trials": args.tune_trials} | (
+            {"batch_sizes": args.tune_batch} if args.tune_batch else {}
+        )
+    elif args.tune_batch:
+        raise UsageError("--tune-batch needs --tune-trials N")
+    if args.tuning_db:
+        out["tuning_db"] = args.tuning_db
+    return out
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
     import enginekit as ek
 
-    options = dict(_parse_option(o) for o in args.option)
+    options = dict(_parse_option(o) for o in args.option) | _tvm_options(args)
     shapes = [s for group in args.shapes for s in group]
     engine = ek.build(
         args.model,

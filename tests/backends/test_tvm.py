@@ -225,3 +225,22 @@ def test_tuning_builds_a_static_module_and_a_reused_database_runs_no_trials(cnn_
         )
     for e in (first, second, engine):
         e.close()
+
+
+def test_cli_build_maps_tvm_flags_to_options(cnn_path, tmp_path, capsys):
+    from enginekit.cli import main
+
+    out = tmp_path / "cli.ekit"
+    shapes = "x:1x3x16x16,4x3x16x16,8x3x16x16"
+    code = main(
+        ["build", str(cnn_path), "--backend", "tvm", "--layout", "NCHW", "--target", "llvm"]
+        + ["--shapes", shapes, "-o", str(out), "--json"]
+    )
+    assert code == 0
+    manifest = json.loads(capsys.readouterr().out)
+    assert manifest["config"]["options"] == {"layout": "NCHW", "target": "llvm"}
+    assert manifest["backend"]["metadata"]["layout"] == "NCHW"
+    assert manifest["target"]["requires"] == []  # generic llvm: portable code
+    usage = ["build", str(cnn_path), "--backend", "tvm", "--tune-batch", "4", "-o", str(out)]
+    assert main(usage) == 2
+    assert "--tune-batch needs --tune-trials" in capsys.readouterr().err
