@@ -136,17 +136,17 @@ def _task_key(task: Any, target: Any) -> str:
 def _fast_stack(context: int = 1) -> list[inspect.FrameInfo]:
     """``inspect.stack`` without its per-frame scan of ``sys.modules`` (what TVMScript's
     parser needs from it: frames, file names, line numbers, the source line)."""
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     out = []
     while frame is not None:
         code = frame.f_code
         line = linecache.getline(code.co_filename, frame.f_lineno)
-        out.append(
-            inspect.FrameInfo(
-                frame, code.co_filename, frame.f_lineno, code.co_name,
-                [line] if line else None, 0 if line else None,
-            )  # fmt: skip
+        source = [line] if line else None
+        index = 0 if line else None
+        info = inspect.FrameInfo(
+            frame, code.co_filename, frame.f_lineno, code.co_name, source, index
         )
+        out.append(info)
         frame = frame.f_back
     return out
 
@@ -159,7 +159,7 @@ def import_tensor_intrinsics() -> None:
     if "tvm.s_tir.tensor_intrin" in sys.modules:
         return
     original = inspect.stack
-    inspect.stack = _fast_stack  # type: ignore[assignment]
+    inspect.stack = _fast_stack
     try:
         import tvm.s_tir.tensor_intrin  # noqa: F401
     finally:
@@ -167,9 +167,9 @@ def import_tensor_intrinsics() -> None:
 
 
 def _in_process_builder() -> Any:
+    from tvm.ir.utils import derived_object
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.meta_schedule.builder.local_builder import default_build, default_export
-    from tvm.ir.utils import derived_object
 
     @derived_object
     class InProcessBuilder(ms.builder.PyBuilder):
@@ -188,12 +188,12 @@ def _in_process_builder() -> Any:
 
 def _in_process_runner(config: Any) -> Any:
     import tvm
+    from tvm.ir.utils import derived_object
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.meta_schedule.runner.local_runner import (
         default_alloc_argument,
         default_run_evaluator,
     )
-    from tvm.ir.utils import derived_object
 
     @derived_object
     class Done(ms.runner.PyRunnerFuture):
@@ -215,9 +215,7 @@ def _in_process_runner(config: Any) -> Any:
                 try:
                     module = tvm.runtime.load_module(item.artifact_path)
                     device = tvm.runtime.device(item.device_type, 0)
-                    args = default_alloc_argument(
-                        device, [a.as_json() for a in item.args_info], 1
-                    )
+                    args = default_alloc_argument(device, [a.as_json() for a in item.args_info], 1)
                     costs = default_run_evaluator(module, device, config, args)
                     result = ms.runner.RunnerResult([float(c) for c in costs], None)
                 except Exception as exc:
