@@ -226,6 +226,44 @@ def _in_process_runner(config: Any) -> Any:
     return InProcessRunner()
 
 
+def _commit_default_schedules(tasks: list[Any], target: Any, database: Any, config: Any) -> int:
+    """Measure enginekit's default schedule of each task and commit it as a tuning record.
+
+    MetaSchedule then picks a sampled candidate only where it beats the default, so a small
+    budget never makes a kernel slower than the untuned build. Returns the records committed.
+    """
+    from tvm.s_tir import meta_schedule as ms
+
+    from enginekit.backends.tvm.schedule import schedule_cpu, vector_lanes
+
+    lanes = vector_lanes(target)
+    builder, runner = _in_process_builder(), _in_process_runner(config)
+    committed = 0
+    for task in tasks:
+        mod = task.dispatched[0]
+        try:
+            sch = schedule_cpu(mod["main"], lanes)
+        except Exception:  # the rule does not apply: MetaSchedule's candidates only
+            continue
+        if sch is None:
+            continue
+        built = builder.build([ms.builder.BuilderInput(sch.mod, target)])[0]
+        if built.error_msg:
+            continue
+        args_info = ms.arg_info.ArgInfo.from_prim_func(mod["main"])
+        measured = runner.run([ms.runner.RunnerInput(built.artifact_path, "cpu", args_info)])
+        result = measured[0].result()
+        if result.error_msg or not result.run_secs:
+            continue
+        database.commit_tuning_record(
+            ms.database.TuningRecord(
+                sch.trace, database.commit_workload(mod), result.run_secs, target, args_info
+            )
+        )
+        committed += 1
+    return committed
+
+
 def open_database(db_dir: Path) -> Any:
     """MetaSchedule's JSON database in ``db_dir`` (created if missing)."""
     from tvm.s_tir import meta_schedule as ms
@@ -268,6 +306,7 @@ def tune(mod: Any, target: Any, spec: TuneSpec, db_dir: Path, label: str) -> dic
         or not database.has_workload(t.dispatched[0])
     ]
     before = len(database.get_all_tuning_records())
+    defaults = 0
     if todo:
         log.info(
             "%s: tuning %d of %d kernels, %d trials each (%d kernels already in %s)",
@@ -282,6 +321,10 @@ def tune(mod: Any, target: Any, spec: TuneSpec, db_dir: Path, label: str) -> dic
             # round per kernel here): worth it for real budgets, not for a handful of trials.
             strategy="evolutionary" if share >= _EVOLVE_FROM else "replay-trace",
         )
+        config = ms.runner.EvaluatorConfig(
+            number=3, repeat=1, min_repeat_ms=40, enable_cpu_cache_flush=False
+        )
+        defaults = _commit_default_schedules([t for t, _ in todo], target, database, config)
         ms.tune_tasks(
             tasks=contexts,
             task_weights=weights,
@@ -290,11 +333,7 @@ def tune(mod: Any, target: Any, spec: TuneSpec, db_dir: Path, label: str) -> dic
             max_trials_per_task=share,
             num_trials_per_iter=min(64, share),
             builder=_in_process_builder(),
-            runner=_in_process_runner(
-                ms.runner.EvaluatorConfig(
-                    number=3, repeat=1, min_repeat_ms=40, enable_cpu_cache_flush=False
-                )
-            ),
+            runner=_in_process_runner(config),
             database=database,
         )
         for task, key in todo:
@@ -307,6 +346,7 @@ def tune(mod: Any, target: Any, spec: TuneSpec, db_dir: Path, label: str) -> dic
         "tuned_now": len(todo),
         "from_database": len(tasks) - len(todo),
         "trials_per_task": share,
-        "trials_run": len(database.get_all_tuning_records()) - before,
+        "trials_run": len(database.get_all_tuning_records()) - before - defaults,
+        "default_schedules_measured": defaults,
         "seconds": round(time.perf_counter() - start, 2),
     }
