@@ -72,17 +72,22 @@ def resnet(channels: tuple[int, ...] = (32, 64, 128, 256)) -> object:
     return Net().eval()
 
 
-def latency_ms(engines: dict, feeds: dict, rounds: int, calls: int) -> dict[str, float]:
-    """Median per-call latency of each engine, the engines interleaved round by round."""
-    samples: dict[str, list[float]] = {name: [] for name in engines}
-    for engine in engines.values():
+def latency_ms(engines: dict, feeds: dict, rounds: int) -> dict[str, float]:
+    """Median per-call latency of each engine, the engines interleaved round by round; each
+    round times enough calls of an engine to last ~0.1 s."""
+    calls = {}
+    for name, engine in engines.items():
         engine.infer(feeds)  # warm up
+        start = time.perf_counter()
+        engine.infer(feeds)
+        calls[name] = max(1, min(50, int(0.1 / (time.perf_counter() - start))))
+    samples: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(rounds):
         for name, engine in engines.items():
             start = time.perf_counter()
-            for _ in range(calls):
+            for _ in range(calls[name]):
                 engine.infer(feeds)
-            samples[name].append((time.perf_counter() - start) / calls * 1e3)
+            samples[name].append((time.perf_counter() - start) / calls[name] * 1e3)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -95,7 +100,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=64, help="input height and width (default 64)")
     ap.add_argument("--batches", default="1,32", help="batch sizes (default 1,32)")
     ap.add_argument("--trials", type=int, default=32, help="tuning trials per batch size (0: skip)")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     top = max(batches)
