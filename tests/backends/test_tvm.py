@@ -246,3 +246,20 @@ def test_cli_build_maps_tvm_flags_to_options(cnn_path, tmp_path, capsys):
     usage = ["build", str(cnn_path), "--backend", "tvm", "--tune-batch", "4", "-o", str(out)]
     assert main(usage) == 2
     assert "--tune-batch needs --tune-trials" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cuda_target_cross_compiles_without_a_gpu(cnn_path, tmp_path):
+    import shutil
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("TVM compiles CUDA kernels with nvcc, which is not installed")
+    out = tmp_path / "cuda.ekit"
+    engine = ek.build(
+        cnn_path, backend="tvm", shapes=CNN.shapes, target="cuda -arch=sm_90", output=out
+    )
+    assert engine.manifest["target"]["kind"] == "cuda"
+    assert engine.manifest["target"]["compute_capability"] == "9.0"
+    if "cuda" not in backends.availability("tvm").devices:
+        with pytest.raises(ek.ArtifactError, match="device='cuda'"):
+            tvm_backend.load(open_artifact(out), "cpu")
