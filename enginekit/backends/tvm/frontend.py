@@ -112,6 +112,32 @@ def scalar_reshapes_to_unsqueeze(proto: Any) -> Any:
     return out
 
 
+def clamp_gather_indices(mod: Any) -> Any:
+    """``take`` (ONNX Gather) in mode ``clip`` instead of the importer's ``fast``.
+
+    ``fast`` compiles to an unchecked load: an out-of-range token id would read outside the
+    table (TVM warns that it "segfaults when there are out-of-bounds indices"). ``clip``
+    clamps the index instead; ONNX Runtime raises on such input, which a compiled kernel
+    cannot do.
+    """
+    import tvm
+    from tvm import relax
+
+    @relax.expr_functor.mutator
+    class ClampTake(relax.PyExprMutator):
+        def visit_call_(self, call: Any) -> Any:
+            call = super().visit_call_(call)
+            op = call.op
+            if isinstance(op, tvm.ir.Op) and op.name == "relax.take" and call.attrs.mode == "fast":
+                return relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="clip")
+            return call
+
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = ClampTake().visit_expr(func)
+    return mod
+
+
 def _version() -> str:
     import tvm
 
@@ -151,4 +177,4 @@ def import_onnx(model: Model, shapes: Mapping[str, tuple[int, ...]] | None = Non
             f"{first[-1] if first else ''}. Try another backend, or simplify the model "
             "(e.g. onnxslim) before building."
         ) from None
-    return mod
+    return clamp_gather_indices(mod)
