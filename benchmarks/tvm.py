@@ -137,10 +137,7 @@ def main() -> None:
     for batch in batches:
         feeds = {"x": rng.standard_normal((batch, 3, args.size, args.size)).astype(np.float32)}
         pick = {n: e for n, e in engines.items() if batch == 1 or "stock" not in n}
-        calls = max(1, 32 // batch)
-        results[batch] = latency_ms(
-            pick, feeds, args.rounds if batch > 1 else args.rounds * 2, calls
-        )
+        results[batch] = latency_ms(pick, feeds, args.rounds)
     print(
         f"\nResNet-style CNN, {args.size}x{args.size} inputs, medians of interleaved rounds "
         f"(lower is better); ratio = latency / ONNX Runtime's"
