@@ -181,7 +181,11 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     flag_sets = _flag_sets(opts.xla_flags, platform)
     trials = _tune(model, config, candidates, flag_sets, device, opts)
     layout, flags_name = (trials[0]["layout"], trials[0]["flags"]) if len(trials) == 1 else _winner(trials)
-    lowered, exported, _ = candidates[layout]
+    lowered, exported, on_device = candidates[layout]
+    buckets = opts.buckets
+    if buckets == "pow2" and not _padding_safe(model, config, exported, on_device, flag_sets[flags_name], device):
+        log.warning("xla: the model's batch rows interact; using one program per batch size")
+        buckets = "exact"
     (workdir / PROGRAM).write_bytes(program.serialize(exported))
     _save_weights(workdir / WEIGHTS, lowered.weight_names, lowered.weights)
     metadata = {
@@ -190,7 +194,8 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "compiler_options": dict(flag_sets[flags_name]),
         "xla_flags": flags_name,
         "tuning": trials,
-        "buckets": opts.buckets,
+        "buckets": buckets,
+        "buckets_choice": "requested" if buckets == opts.buckets else "batch rows interact: padding would change results",
         "symbolic_dims": dims,
         "platform": platform,
         "jax_version": jax.__version__,
@@ -253,6 +258,34 @@ def _tune(
     trials = tune.measure(programs, flag_sets, arrays, device)
     log.info("xla tuning: %s", ", ".join(f"{t.layout}/{t.flags} {t.ms:.3f} ms" for t in trials))
     return [t.to_json() for t in trials]
+
+
+def _batched(model: Model) -> bool:
+    return all(s.shape and isinstance(s.shape[0], str) for s in model.inputs) and all(
+        s.shape and s.shape[0] == model.inputs[0].shape[0] for s in model.outputs
+    )
+
+
+def _padding_safe(
+    model: Model,
+    config: BuildConfig,
+    exported: Any,
+    weights: Any,
+    options: Mapping[str, Any],
+    device: Any,
+) -> bool:
+    """Probe (at batch 4) that padding rows cannot change the real rows' outputs."""
+    from enginekit.backends.xla import tune
+    from enginekit.model import concrete_shapes, random_feeds
+
+    if not _batched(model):
+        return True
+    profile = config.profiles[0] if config.profiles else None
+    shapes = concrete_shapes(model.inputs, profile, "opt")
+    shapes = {n: (4, *s[1:]) for n, s in shapes.items()}
+    feeds = random_feeds(model.inputs, shapes, seed=config.seed)
+    arrays = [feeds[s.name] for s in model.inputs]
+    return tune.rows_independent(exported, weights, arrays, options, device, config.seed)
 
 
 def _winner(trials: list[dict[str, Any]]) -> tuple[str, str]:
@@ -326,7 +359,7 @@ def load(artifact: Artifact, device: str) -> Engine:
     if options.cache_dir:
         _use_cache_dir(options.cache_dir)
     engine = XlaEngine(
-        exported, weights, manifest, meta["compiler_options"], options.buckets, target
+        exported, weights, manifest, meta["compiler_options"], meta.get("buckets", "exact"), target
     )
     if options.precompile:
         engine.warm(_precompile_sizes(engine, options.precompile))

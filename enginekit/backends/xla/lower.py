@@ -142,18 +142,29 @@ def _accepted_attrs(fn: Callable[..., Any]) -> set[str] | None:
     return {p.name for p in params if p.kind != p.VAR_POSITIONAL} - {"channels_last"}
 
 
+def _type_problem(value: onnx.ValueInfoProto) -> str | None:
+    from enginekit.backends.xla.ops.common import UNSUPPORTED_TYPES
+
+    kind = value.type.WhichOneof("value")
+    if kind not in (None, "tensor_type"):
+        return f"a {kind.replace('_type', '')} value; only tensors are supported"
+    elem = value.type.tensor_type.elem_type
+    if kind and elem in UNSUPPORTED_TYPES:
+        name = onnx.TensorProto.DataType.Name(elem)
+        return f"type {name} (string, float8, float4, int4 and int2 tensors are not supported)"
+    return None
+
+
 def problems(proto: onnx.ModelProto) -> list[str]:
     """Why the lowering cannot take each node it cannot take (empty: it takes them all)."""
     from enginekit.backends.xla.ops import resolve
-    from enginekit.backends.xla.ops.common import UNSUPPORTED_TYPES as _UNSUPPORTED_TYPES
 
     opset = opset_of(proto)
     found = [
-        f"{kind} {v.name!r} has type {onnx.TensorProto.DataType.Name(v.type.tensor_type.elem_type)}"
-        " (string, float8, float4, int4 and int2 tensors are not supported)"
+        f"{kind} {v.name!r}: {_type_problem(v)}"
         for kind, values in (("input", proto.graph.input), ("output", proto.graph.output))
         for v in values
-        if v.type.tensor_type.elem_type in _UNSUPPORTED_TYPES
+        if _type_problem(v)
     ]
     for i, node in enumerate(proto.graph.node):
         label = _node_label(node, i)
@@ -332,11 +343,20 @@ def _plan_call(env: Env, node: onnx.NodeProto, opset: int, attrs: dict[str, Any]
     op = node.op_type
     names = list(node.input)
     onnx_args = lambda: [env.get(n, lay.ONNX) if n else None for n in names]  # noqa: E731
-    if not nhwc or not names or not names[0]:
+    if not names or not names[0]:
         return _Call(onnx_args(), attrs, lay.ONNX)
     first_tag = env.layout(names[0])
     rank = env.rank(names[0])
-    if op in lay.ANCHORS and rank >= 3:
+    if op in lay.ANCHORS and not (nhwc and rank >= 3):
+        # NCHW mode: kernels may still need rewriting (ConvTranspose's forward kernel).
+        args = [
+            env.get(n, lay.weight_layout(op, i, attrs, False)) if n else None
+            for i, n in enumerate(names)
+        ]
+        return _Call(args, attrs, lay.ONNX)
+    if not nhwc:
+        return _Call(onnx_args(), attrs, lay.ONNX)
+    if op in lay.ANCHORS:
         args = [
             env.get(n, lay.NHWC if i == 0 else lay.weight_layout(op, i, attrs, True)) if n else None
             for i, n in enumerate(names)
@@ -370,12 +390,6 @@ def _plan_call(env: Env, node: onnx.NodeProto, opset: int, attrs: dict[str, Any]
             remap = lay.remap_quant(candidate, attrs, rank)
         if remap is not None:
             return _Call(remap[0], remap[1], lay.NHWC)
-    if op in lay.ANCHORS:  # rank < 3 or NCHW mode: kernels may still need rewriting
-        args = [
-            env.get(n, lay.weight_layout(op, i, attrs, False)) if n else None
-            for i, n in enumerate(names)
-        ]
-        return _Call(args, attrs, lay.ONNX)
     return _Call(onnx_args(), attrs, lay.ONNX)
 
 
@@ -471,12 +485,9 @@ def lower(proto: onnx.ModelProto, layout: str = "nhwc", inline_limit: int = INLI
             env.put(name, value, lay.ONNX)
         for index, node in order:
             _run_node(env, node, index, opset, nhwc)
+        results = tuple(jnp.asarray(_concrete(env.get(name, lay.ONNX))) for name in outputs)
         stats["layout_conversions"] = env.conversions
-        results = []
-        for name in outputs:
-            value = env.get(name, lay.ONNX)
-            results.append(jnp.asarray(_concrete(value)))
-        return tuple(results)
+        return results
 
     return Lowered(fn, weights, weight_names, tags, inputs, outputs, layout, stats)
 

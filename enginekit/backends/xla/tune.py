@@ -42,26 +42,12 @@ class Trial:
         }
 
 
-def time_executable(
-    run: Any,
-    weights: Sequence[Any],
-    arrays: Sequence[np.ndarray],
-    budget_s: float = 0.3,
-    max_runs: int = 25,
-) -> float:
-    """Median milliseconds of ``run(weights, arrays)`` after one warm-up call."""
+def _call_s(run: Any, weights: Sequence[Any], feeds: tuple[np.ndarray, ...]) -> float:
     import jax
 
-    feeds = tuple(arrays)
-    with jax.enable_x64(True):
-        jax.block_until_ready(run(weights, feeds))
-        times: list[float] = []
-        deadline = time.perf_counter() + budget_s
-        while len(times) < 3 or (len(times) < max_runs and time.perf_counter() < deadline):
-            start = time.perf_counter()
-            jax.block_until_ready(run(weights, feeds))
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    start = time.perf_counter()
+    jax.block_until_ready(run(weights, feeds))
+    return time.perf_counter() - start
 
 
 def measure(
@@ -69,25 +55,83 @@ def measure(
     flag_sets: Mapping[str, Mapping[str, Any]],
     arrays: Sequence[np.ndarray],
     device: Any = None,
+    budget_s: float = 2.0,
+    rounds: int = 5,
 ) -> list[Trial]:
-    """Compile and time every (layout, flag set) pair.
+    """Compile every (layout, flag set) pair, then time them round-robin.
+
+    Timing in interleaved rounds (each round runs every candidate) and taking each one's median
+    keeps a load spike on a shared machine from deciding the winner.
 
     Args:
         candidates: layout -> (exported program, weights on the device).
         flag_sets: name -> XLA compiler options.
         arrays: the inputs to time with (concrete shapes).
+        budget_s: rough total seconds of timed runs across all candidates.
     """
+    import jax
+
     shapes = [a.shape for a in arrays]
     dtypes = [a.dtype for a in arrays]
-    trials = []
+    feeds = tuple(arrays)
+    compiled = []
     for layout, (exported, weights) in candidates.items():
         for name, options in flag_sets.items():
             run, seconds = program.compile(exported, weights, shapes, dtypes, options, device)
-            ms = time_executable(run, weights, arrays)
-            trials.append(Trial(layout, name, ms, seconds))
-    return trials
+            compiled.append((layout, name, run, weights, seconds))
+    samples: list[list[float]] = [[] for _ in compiled]
+    with jax.enable_x64(True):
+        warm = [min(_call_s(run, w, feeds), _call_s(run, w, feeds)) for _, _, run, w, _ in compiled]
+        per_round = budget_s / rounds / len(compiled)
+        reps = [max(1, min(50, int(per_round / max(t, 1e-6)))) for t in warm]
+        for _ in range(rounds):
+            for i, (_, _, run, weights, _) in enumerate(compiled):
+                start = time.perf_counter()
+                for _ in range(reps[i]):
+                    jax.block_until_ready(run(weights, feeds))
+                samples[i].append((time.perf_counter() - start) / reps[i])
+    return [
+        Trial(layout, name, statistics.median(samples[i]) * 1e3, seconds)
+        for i, (layout, name, _, _, seconds) in enumerate(compiled)
+    ]
 
 
 def best(trials: Sequence[Trial]) -> Trial:
     """The fastest trial; ties go to the earlier one (defaults are listed first)."""
     return min(trials, key=lambda t: t.ms)
+
+
+def rows_independent(
+    exported: Any,
+    weights: Sequence[Any],
+    arrays: Sequence[np.ndarray],
+    options: Mapping[str, Any],
+    device: Any = None,
+    seed: int = 0,
+) -> bool:
+    """Whether padding a batch can change the real rows' results.
+
+    Runs one program twice on batches that differ only in their last row; the other rows'
+    outputs must not move. A model whose rows interact (a reduction over the batch, batch
+    statistics) fails this, and then gets one program per batch size instead of padding.
+    """
+    import jax
+
+    shapes = [a.shape for a in arrays]
+    run, _ = program.compile(exported, weights, shapes, [a.dtype for a in arrays], options, device)
+    rng = np.random.default_rng(seed)
+    other = [a.copy() for a in arrays]
+    for a in other:
+        if a.dtype.kind == "f":
+            a[-1] = rng.standard_normal(a.shape[1:]).astype(a.dtype) * 3
+        elif a.dtype.kind == "b":
+            a[-1] = ~a[-1]
+        else:
+            a[-1] = (a[-1] + 1) % 2  # random_feeds gives 0/1 integers (valid ids and masks)
+    with jax.enable_x64(True):
+        first = [np.asarray(o) for o in run(weights, tuple(arrays))]
+        second = [np.asarray(o) for o in run(weights, tuple(other))]
+    return all(
+        np.allclose(a[:-1], b[:-1], rtol=1e-5, atol=1e-6, equal_nan=True)
+        for a, b in zip(first, second)
+    )
