@@ -120,15 +120,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"batch {b}: best NHWC is {nchw / nhwc:.2f}x the speed of best NCHW")
 
     start = time.perf_counter()
-    auto = ek.build(
-        path, backend="xla", shapes=shapes, output=work / "auto.ekit", layout="auto"
-    )
+    auto = ek.build(path, backend="xla", shapes=shapes, output=work / "auto.ekit", layout="auto")
     meta = auto.manifest["backend"]["metadata"]
-    print(f"\nlayout=auto, xla_flags=auto: built in {time.perf_counter() - start:.1f} s, picked "
-          f"{meta['layout']} / {meta['xla_flags']} {meta['compiler_options']}")
+    print(
+        f"\nlayout=auto, xla_flags=auto: built in {time.perf_counter() - start:.1f} s, picked "
+        f"{meta['layout']} / {meta['xla_flags']} {meta['compiler_options']}"
+    )
     for trial in meta["tuning"]:
-        print(f"  {trial['layout']:<5} {trial['flags']:<12} {trial['ms']:>9.3f} ms "
-              f"(compile {trial['compile_s']:.2f} s)")
+        print(
+            f"  {trial['layout']:<5} {trial['flags']:<12} {trial['ms']:>9.3f} ms "
+            f"(compile {trial['compile_s']:.2f} s)"
+        )
     auto.close()
 
     engine = ek.load(work / "auto.ekit")

@@ -25,6 +25,7 @@ from enginekit.errors import ArtifactError, BackendUnavailable, BuildError
 
 if TYPE_CHECKING:
     from enginekit.artifact import Artifact
+    from enginekit.backends.xla.runtime import XlaEngine
     from enginekit.config import BuildConfig
     from enginekit.engine import Engine
     from enginekit.model import Model
@@ -83,7 +84,8 @@ def _parse_options(options: Mapping[str, Any]) -> _Options:
         raise BuildError(f"xla option buckets={buckets!r}: expected pow2 or exact")
     precompile = options.get("precompile")
     if precompile not in (None, "buckets") and not (
-        isinstance(precompile, (list, tuple)) and all(isinstance(b, int) and b > 0 for b in precompile)
+        isinstance(precompile, (list, tuple))
+        and all(isinstance(b, int) and b > 0 for b in precompile)
     ):
         raise BuildError(
             f"xla option precompile={precompile!r}: expected 'buckets' or a list of batch sizes"
@@ -180,10 +182,14 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         candidates[layout] = (lowered, exported, on_device)
     flag_sets = _flag_sets(opts.xla_flags, platform)
     trials = _tune(model, config, candidates, flag_sets, device, opts)
-    layout, flags_name = (trials[0]["layout"], trials[0]["flags"]) if len(trials) == 1 else _winner(trials)
+    layout, flags_name = (
+        (trials[0]["layout"], trials[0]["flags"]) if len(trials) == 1 else _winner(trials)
+    )
     lowered, exported, on_device = candidates[layout]
     buckets = opts.buckets
-    if buckets == "pow2" and not _padding_safe(model, config, exported, on_device, flag_sets[flags_name], device):
+    if buckets == "pow2" and not _padding_safe(
+        model, config, exported, on_device, flag_sets[flags_name], device
+    ):
         log.warning("xla: the model's batch rows interact; using one program per batch size")
         buckets = "exact"
     (workdir / PROGRAM).write_bytes(program.serialize(exported))
@@ -195,7 +201,9 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "xla_flags": flags_name,
         "tuning": trials,
         "buckets": buckets,
-        "buckets_choice": "requested" if buckets == opts.buckets else "batch rows interact: padding would change results",
+        "buckets_choice": "requested"
+        if buckets == opts.buckets
+        else "batch rows interact: padding would change results",
         "symbolic_dims": dims,
         "platform": platform,
         "jax_version": jax.__version__,
@@ -207,7 +215,9 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     }
     # StableHLO is portable: XLA compiles for the loading host, so no ISA is required here.
     return BuildResult(
-        files=(PROGRAM, WEIGHTS), metadata=metadata, target={"kind": "cuda" if platform == "cuda" else "cpu"}
+        files=(PROGRAM, WEIGHTS),
+        metadata=metadata,
+        target={"kind": "cuda" if platform == "cuda" else "cpu"},
     )
 
 
@@ -254,7 +264,9 @@ def _tune(
         shapes = {n: (bucket(s[0], cap), *s[1:]) for n, s in shapes.items()}
     feeds = random_feeds(model.inputs, shapes, seed=config.seed)
     arrays = [feeds[s.name] for s in model.inputs]
-    programs = {layout: (exported, weights) for layout, (_, exported, weights) in candidates.items()}
+    programs = {
+        layout: (exported, weights) for layout, (_, exported, weights) in candidates.items()
+    }
     trials = tune.measure(programs, flag_sets, arrays, device)
     log.info("xla tuning: %s", ", ".join(f"{t.layout}/{t.flags} {t.ms:.3f} ms" for t in trials))
     return [t.to_json() for t in trials]
@@ -339,6 +351,10 @@ def _use_cache_dir(path: str) -> None:
 
 def load(artifact: Artifact, device: str) -> Engine:
     """Deserialize the program and weights onto ``device``; compiles nothing until first use."""
+    return _load(artifact, device)
+
+
+def _load(artifact: Artifact, device: str) -> XlaEngine:
     from enginekit.backends.xla import program
     from enginekit.backends.xla.runtime import XlaEngine
 
@@ -355,7 +371,9 @@ def load(artifact: Artifact, device: str) -> Engine:
         )
     exported = program.deserialize(artifact.read(PROGRAM))
     target = _device(device)
-    weights = [jax.device_put(w, target) for w in _load_weights(artifact, list(meta["weight_names"]))]
+    weights = [
+        jax.device_put(w, target) for w in _load_weights(artifact, list(meta["weight_names"]))
+    ]
     if options.cache_dir:
         _use_cache_dir(options.cache_dir)
     engine = XlaEngine(
@@ -412,13 +430,13 @@ def _inspect_ir(artifact: Artifact) -> dict[str, Any]:
     from enginekit.model import concrete_shapes
 
     manifest = artifact.manifest
-    engine = load(artifact, manifest.get("config", {}).get("device", "cpu"))
+    engine = _load(artifact, manifest.get("config", {}).get("device", "cpu"))
     try:
         profile = engine.profiles[0] if engine.profiles else None
         shapes = concrete_shapes(engine.inputs, profile, "opt")
         compiled = engine.executable([shapes[s.name] for s in engine.inputs])
         summary = program.hlo_summary(compiled)
-        text = engine._exported.mlir_module()
+        text = engine.exported.mlir_module()
         ops: dict[str, int] = {}
         for name in re.findall(r"\bstablehlo\.(\w+)", text):
             ops[name] = ops.get(name, 0) + 1

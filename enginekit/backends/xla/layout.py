@@ -137,7 +137,9 @@ def weight_layout(op_type: str, index: int, attrs: dict[str, Any], channels_last
     return ONNX
 
 
-def remap_axis_attrs(op_type: str, opset: int, attrs: dict[str, Any], rank: int) -> dict[str, Any] | None:
+def remap_axis_attrs(
+    op_type: str, opset: int, attrs: dict[str, Any], rank: int
+) -> dict[str, Any] | None:
     """``attrs`` with the op's axis moved to channels-last, or None if the op cannot follow."""
     if op_type in ("Softmax", "LogSoftmax", "Hardmax") and opset < 13:
         return None  # older opsets flatten at the axis: a layout-sensitive reshape
@@ -146,7 +148,9 @@ def remap_axis_attrs(op_type: str, opset: int, attrs: dict[str, Any], rank: int)
     return {**attrs, "axis": nhwc_axis(a, rank)}
 
 
-def remap_reduce(args: list[Any], attrs: dict[str, Any], rank: int) -> tuple[list[Any], dict[str, Any]] | None:
+def remap_reduce(
+    args: list[Any], attrs: dict[str, Any], rank: int
+) -> tuple[list[Any], dict[str, Any]] | None:
     """A Reduce* call with its axes (attribute or input) moved to channels-last."""
     if not attrs.get("keepdims", 1):
         return None
@@ -160,7 +164,9 @@ def remap_reduce(args: list[Any], attrs: dict[str, Any], rank: int) -> tuple[lis
     return args, attrs
 
 
-def remap_pad(args: list[Any], attrs: dict[str, Any], rank: int) -> tuple[list[Any], dict[str, Any]] | None:
+def remap_pad(
+    args: list[Any], attrs: dict[str, Any], rank: int
+) -> tuple[list[Any], dict[str, Any]] | None:
     """A Pad call with its pads (attribute or input) reordered to channels-last."""
     if len(args) > 3 and args[3] is not None:
         return None  # explicit axes input: rare, keep ONNX layout
@@ -172,12 +178,14 @@ def remap_pad(args: list[Any], attrs: dict[str, Any], rank: int) -> tuple[list[A
         pads = np.asarray([flat[p] for p in perm] + [flat[rank + p] for p in perm], dtype=np.int64)
         return [args[0], pads, *args[2:]], attrs
     if "pads" in attrs:
-        flat = list(attrs["pads"])
-        return args, {**attrs, "pads": [flat[p] for p in perm] + [flat[rank + p] for p in perm]}
+        given = list(attrs["pads"])
+        return args, {**attrs, "pads": [given[p] for p in perm] + [given[rank + p] for p in perm]}
     return None
 
 
-def remap_quant(args: list[Any], attrs: dict[str, Any], rank: int) -> tuple[list[Any], dict[str, Any]] | None:
+def remap_quant(
+    args: list[Any], attrs: dict[str, Any], rank: int
+) -> tuple[list[Any], dict[str, Any]] | None:
     """Q/DQ: per-tensor follows any layout; per-axis has its axis remapped; blocked cannot."""
     scale = args[1] if len(args) > 1 else None
     if scale is None or attrs.get("block_size", 0):

@@ -35,7 +35,9 @@ INLINE_LIMIT = 64
 #: A constant-folded result may grow to this many elements, or its inputs' total.
 FOLD_LIMIT = 1 << 16
 _DEFAULT_DOMAINS = ("", "ai.onnx")
-_BINARY_LEGACY = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Less", "Greater"})
+_BINARY_LEGACY = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Less", "Greater"}
+)
 #: Ops whose opset < 7 forms broadcast in ways channels-last alignment does not model.
 _LEGACY_BROADCAST = _BINARY_LEGACY | {"PRelu"}
 #: Ops whose operands are all data: symbolic-dim values among traced ones become traced.
@@ -169,18 +171,25 @@ def problems(proto: onnx.ModelProto) -> list[str]:
     for i, node in enumerate(proto.graph.node):
         label = _node_label(node, i)
         if node.domain not in _DEFAULT_DOMAINS:
-            found.append(f"node {label}: op {node.domain}::{node.op_type} (only the default ONNX domain is supported)")
+            found.append(
+                f"node {label}: op {node.domain}::{node.op_type} (only the default ONNX domain is supported)"
+            )
             continue
         fn = resolve(node.op_type, opset)
         if fn is None:
             found.append(f"node {label}: op {node.op_type} is not supported")
             continue
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        if any(
+            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+            for a in node.attribute
+        ):
             found.append(f"node {label}: subgraph attributes are not supported")
             continue
         accepted = _accepted_attrs(fn)
         legacy = {"broadcast", "axis"} if opset < 7 and node.op_type in _BINARY_LEGACY else set()
-        unknown = sorted({a.name for a in node.attribute} - _IGNORED_ATTRS - legacy - (accepted or set()))
+        unknown = sorted(
+            {a.name for a in node.attribute} - _IGNORED_ATTRS - legacy - (accepted or set())
+        )
         if accepted is not None and unknown:
             found.append(f"node {label}: attribute(s) {', '.join(unknown)} not supported")
     return found
@@ -218,9 +227,7 @@ def _as_numpy(value: Any) -> np.ndarray | None:
         return None
 
 
-def _fold(
-    nodes: list[onnx.NodeProto], consts: dict[str, np.ndarray], opset: int
-) -> set[int]:
+def _fold(nodes: list[onnx.NodeProto], consts: dict[str, np.ndarray], opset: int) -> set[int]:
     """Evaluate every node whose inputs are all constant; returns the folded node ids."""
     import jax
 
@@ -338,7 +345,9 @@ class _Call:
     out_tag: str
 
 
-def _plan_call(env: Env, node: onnx.NodeProto, opset: int, attrs: dict[str, Any], nhwc: bool) -> _Call:
+def _plan_call(
+    env: Env, node: onnx.NodeProto, opset: int, attrs: dict[str, Any], nhwc: bool
+) -> _Call:
     """Fetch the node's inputs in the layouts the op will be called with."""
     op = node.op_type
     names = list(node.input)
@@ -376,7 +385,9 @@ def _plan_call(env: Env, node: onnx.NodeProto, opset: int, attrs: dict[str, Any]
         if any(env.layout(n) == lay.NHWC for n in tagged if n):
             remapped = lay.remap_axis_attrs(op, opset, attrs, rank)
             if remapped is not None:
-                args = [env.get(n, lay.NHWC if n in tagged else lay.ONNX) if n else None for n in names]
+                args = [
+                    env.get(n, lay.NHWC if n in tagged else lay.ONNX) if n else None for n in names
+                ]
                 return _Call(args, remapped, lay.NHWC)
     if first_tag == lay.NHWC and rank >= 3:
         remap = None
@@ -435,7 +446,9 @@ def _run_node(env: Env, node: onnx.NodeProto, index: int, opset: int, nhwc: bool
             env.put(name, value, call.out_tag)
 
 
-def lower(proto: onnx.ModelProto, layout: str = "nhwc", inline_limit: int = INLINE_LIMIT) -> Lowered:
+def lower(
+    proto: onnx.ModelProto, layout: str = "nhwc", inline_limit: int = INLINE_LIMIT
+) -> Lowered:
     """Lower a checked model to a pure function of (weights, inputs).
 
     Args:
@@ -462,7 +475,9 @@ def lower(proto: onnx.ModelProto, layout: str = "nhwc", inline_limit: int = INLI
     weight_names = tuple(sorted(n for n in used if consts[n].size > inline_limit))
     statics = {n: consts[n] for n in used if n not in weight_names}
     tags = tuple(_weight_tag(name, live, opset, nhwc) for name in weight_names)
-    weights = tuple(np.ascontiguousarray(lay.to_layout(consts[n], t)) for n, t in zip(weight_names, tags))
+    weights = tuple(
+        np.ascontiguousarray(lay.to_layout(consts[n], t)) for n, t in zip(weight_names, tags)
+    )
     stats: dict[str, Any] = {
         "nodes": len(nodes),
         "folded_nodes": len(folded),

@@ -132,7 +132,7 @@ def deserialize(data: bytes) -> Any:
         ) from None
 
 
-def compile(  # noqa: A001 - named after what it does; module-qualified at call sites
+def compile(
     exported: Any,
     weights: Sequence[Any],
     shapes: Sequence[tuple[int, ...]],

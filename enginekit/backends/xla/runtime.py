@@ -67,6 +67,11 @@ class XlaEngine(Engine):
         self._lock = threading.Lock()
 
     @property
+    def exported(self) -> Any:
+        """The deserialized ``jax.export.Exported`` program (symbolic dims)."""
+        return self._exported
+
+    @property
     def programs(self) -> dict[str, float]:
         """Compiled executables so far: input shapes -> compile seconds."""
         with self._lock:

@@ -6,6 +6,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+
 class _Rng:
     """A fresh seeded generator per graph, so a builder called twice gives identical weights."""
 
@@ -76,7 +77,9 @@ def cnn(opset: int) -> onnx.ModelProto:
     else:
         inits += [_init("lo", np.array(0.0, np.float32)), _init("hi", np.array(6.0, np.float32))]
         nodes.append(helper.make_node("Clip", ["bn", "lo", "hi"], ["clip"]))
-    nodes.append(helper.make_node("MaxPool", ["clip"], ["pool"], kernel_shape=[2, 2], strides=[2, 2]))
+    nodes.append(
+        helper.make_node("MaxPool", ["clip"], ["pool"], kernel_shape=[2, 2], strides=[2, 2])
+    )
     pads = [0, 0, 1, 1, 0, 0, 1, 1]
     if old:
         nodes.append(helper.make_node("Pad", ["pool"], ["padded"], pads=pads))

@@ -171,7 +171,9 @@ class Job:
 
 
 def _jobs(case: Case) -> list[Job]:
-    layouts = ["nhwc", "nchw"] if any(n.op_type in ANCHORS for n in case.model.graph.node) else ["nhwc"]
+    layouts = (
+        ["nhwc", "nchw"] if any(n.op_type in ANCHORS for n in case.model.graph.node) else ["nhwc"]
+    )
     jobs = []
     for inputs, outputs in case.data:
         model, runtime = _bake(case.model, list(inputs))
@@ -199,7 +201,9 @@ def _check(job: Job, got: Any) -> None:
         assert g.dtype == want.dtype, f"dtype {g.dtype}, expected {want.dtype}"
         assert g.shape == want.shape, f"shape {g.shape}, expected {want.shape}"
         if jax.numpy.issubdtype(want.dtype, jax.numpy.inexact):
-            np.testing.assert_allclose(g, want, rtol=job.case.rtol, atol=job.case.atol, equal_nan=True)
+            np.testing.assert_allclose(
+                g, want, rtol=job.case.rtol, atol=job.case.atol, equal_nan=True
+            )
         else:
             np.testing.assert_array_equal(g, want)
 

@@ -12,13 +12,13 @@ Importing this package imports jax; the backend module imports it lazily.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 from enginekit.backends.xla.ops import elementwise as ew
 from enginekit.backends.xla.ops import nn, quant, reduce, tensor
 
 OpFunction = Callable[..., Any]
-Entry = Union[OpFunction, dict[int, OpFunction]]
+Entry = OpFunction | dict[int, OpFunction]
 
 OPS: dict[str, Entry] = {
     # unary math
@@ -184,9 +184,5 @@ STATIC_INPUTS: dict[str, tuple[int, ...]] = {
     "Trilu": (1,),
     "CumSum": (1,),
     "Dropout": (1, 2),
-    **{
-        op: (1,)
-        for op in OPS
-        if op.startswith("Reduce")
-    },
+    **{op: (1,) for op in OPS if op.startswith("Reduce")},
 }

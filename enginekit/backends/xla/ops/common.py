@@ -52,7 +52,9 @@ def static(value: Any, what: str) -> np.ndarray:
 
 def ints(value: Any, what: str) -> list[int]:
     """A static 1-D list of Python ints (symbolic dims stay symbolic)."""
-    return [d if not isinstance(d, (int, np.integer)) else int(d) for d in np.ravel(static(value, what))]
+    return [
+        d if not isinstance(d, (int, np.integer)) else int(d) for d in np.ravel(static(value, what))
+    ]
 
 
 def optional_ints(value: Any, what: str) -> list[int] | None:

@@ -150,7 +150,9 @@ def Elu(X: Any, alpha: float = 1.0) -> Any:
     return jnp.where(X > 0, X, alpha * jnp.expm1(X)).astype(X.dtype)
 
 
-def Selu(X: Any, alpha: float = 1.67326319217681884765625, gamma: float = 1.05070102214813232421875) -> Any:
+def Selu(
+    X: Any, alpha: float = 1.67326319217681884765625, gamma: float = 1.05070102214813232421875
+) -> Any:
     return (gamma * jnp.where(X > 0, X, alpha * jnp.expm1(X))).astype(X.dtype)
 
 
@@ -208,7 +210,7 @@ def Mul(A: Any, B: Any) -> Any:
 
 
 def Div(A: Any, B: Any) -> Any:
-    if A.dtype == object or getattr(B, "dtype", None) == object:
+    if A.dtype == np.dtype(object) or getattr(B, "dtype", None) == np.dtype(object):
         return A // B  # symbolic dims are positive: floor and truncation agree
     if not np.issubdtype(A.dtype, np.integer):
         return A / B
@@ -255,7 +257,7 @@ def Mean(*data_0: Any) -> Any:
     return (total / len(data_0)).astype(data_0[0].dtype)
 
 
-def Clip(input: Any, min: Any = None, max: Any = None) -> Any:  # noqa: A002
+def Clip(input: Any, min: Any = None, max: Any = None) -> Any:
     m = xp(input, min, max)
     out = input
     if min is not None:

@@ -86,9 +86,7 @@ def Conv(
     kernel = _kernel_spatial(W, n, channels_last)
     strides = strides or [1] * n
     dilations = dilations or [1] * n
-    padding = _explicit_pads(
-        auto_pad, pads, _spatial(X, channels_last), kernel, strides, dilations
-    )
+    padding = _explicit_pads(auto_pad, pads, _spatial(X, channels_last), kernel, strides, dilations)
     y = jax.lax.conv_general_dilated(
         X,
         W,
@@ -126,7 +124,9 @@ def ConvTranspose(
     dilations = dilations or [1] * n
     extra = output_padding or [0] * n
     if output_shape is not None or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        wanted = list(output_shape)[-n:] if output_shape else [s * x for s, x in zip(strides, spatial)]
+        wanted = (
+            list(output_shape)[-n:] if output_shape else [s * x for s, x in zip(strides, spatial)]
+        )
         full = [
             strides[i] * (spatial[i] - 1) + extra[i] + (kernel[i] - 1) * dilations[i] + 1
             for i in range(n)
@@ -311,7 +311,9 @@ def AveragePool(
     )
     padding = [(lo, hi + e) for (lo, hi), e in zip(explicit, extra)]
     zero = jnp.array(0, X.dtype)
-    sums = _reduce_window(X, zero, jax.lax.add, kernel_shape, strides, dilations, padding, channels_last)
+    sums = _reduce_window(
+        X, zero, jax.lax.add, kernel_shape, strides, dilations, padding, channels_last
+    )
     if not any(lo or hi for lo, hi in padding):
         return sums / np.prod(kernel_shape).astype(X.dtype)
     counts = _window_counts(
@@ -340,7 +342,9 @@ def LpPool(
     padding = [(lo, hi + e) for (lo, hi), e in zip(explicit, extra)]
     powered = jnp.abs(X) ** p
     zero = jnp.array(0, X.dtype)
-    sums = _reduce_window(powered, zero, jax.lax.add, kernel_shape, strides, dilations, padding, channels_last)
+    sums = _reduce_window(
+        powered, zero, jax.lax.add, kernel_shape, strides, dilations, padding, channels_last
+    )
     return (sums ** (1.0 / p)).astype(X.dtype)
 
 
@@ -392,7 +396,9 @@ def InstanceNormalization(
     mean = jnp.mean(input, axis=reduce_axes, keepdims=True)
     var = jnp.mean(jnp.square(input - mean), axis=reduce_axes, keepdims=True)
     normalized = (input - mean) * jax.lax.rsqrt(var + epsilon)
-    return normalized * per_channel(scale, rank, channels_last) + per_channel(B, rank, channels_last)
+    return normalized * per_channel(scale, rank, channels_last) + per_channel(
+        B, rank, channels_last
+    )
 
 
 def LayerNormalization(

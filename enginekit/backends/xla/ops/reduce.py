@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from enginekit.backends.xla.ops.common import OpError, axes as norm_axes
-from enginekit.backends.xla.ops.common import optional_ints, scalar, xp
+from enginekit.backends.xla.ops.common import OpError, optional_ints, scalar, xp
+from enginekit.backends.xla.ops.common import axes as norm_axes
 
 
 def _axes(data: Any, axes: Any, noop_with_empty_axes: int) -> tuple[int, ...] | None:
@@ -28,13 +28,13 @@ def _axes(data: Any, axes: Any, noop_with_empty_axes: int) -> tuple[int, ...] | 
 def _lowest(dtype: Any) -> Any:
     if jnp.issubdtype(dtype, jnp.floating):
         return -np.inf
-    return np.iinfo(dtype).min if dtype != bool else False
+    return False if dtype == np.dtype(bool) else np.iinfo(dtype).min
 
 
 def _highest(dtype: Any) -> Any:
     if jnp.issubdtype(dtype, jnp.floating):
         return np.inf
-    return np.iinfo(dtype).max if dtype != bool else True
+    return True if dtype == np.dtype(bool) else np.iinfo(dtype).max
 
 
 def ReduceSum(data: Any, axes: Any = None, keepdims: int = 1, noop_with_empty_axes: int = 0) -> Any:
@@ -44,7 +44,9 @@ def ReduceSum(data: Any, axes: Any = None, keepdims: int = 1, noop_with_empty_ax
     return xp(data).sum(data, axis=picked, keepdims=bool(keepdims)).astype(data.dtype)
 
 
-def ReduceMean(data: Any, axes: Any = None, keepdims: int = 1, noop_with_empty_axes: int = 0) -> Any:
+def ReduceMean(
+    data: Any, axes: Any = None, keepdims: int = 1, noop_with_empty_axes: int = 0
+) -> Any:
     picked = _axes(data, axes, noop_with_empty_axes)
     if picked is None:
         return data
@@ -67,7 +69,9 @@ def ReduceMin(data: Any, axes: Any = None, keepdims: int = 1, noop_with_empty_ax
     return xp(data).min(data, axis=picked, keepdims=bool(keepdims), initial=highest)
 
 
-def ReduceProd(data: Any, axes: Any = None, keepdims: int = 1, noop_with_empty_axes: int = 0) -> Any:
+def ReduceProd(
+    data: Any, axes: Any = None, keepdims: int = 1, noop_with_empty_axes: int = 0
+) -> Any:
     picked = _axes(data, axes, noop_with_empty_axes)
     if picked is None:
         return data
@@ -99,7 +103,9 @@ def ReduceSumSquare(
     return jnp.sum(jnp.square(data), axis=picked, keepdims=bool(keepdims)).astype(data.dtype)
 
 
-def ReduceLogSum(data: Any, axes: Any = None, keepdims: int = 1, noop_with_empty_axes: int = 0) -> Any:
+def ReduceLogSum(
+    data: Any, axes: Any = None, keepdims: int = 1, noop_with_empty_axes: int = 0
+) -> Any:
     picked = _axes(data, axes, noop_with_empty_axes)
     if picked is None:
         return data
@@ -152,12 +158,14 @@ def CumSum(x: Any, axis: Any, exclusive: int = 0, reverse: int = 0) -> Any:
     return jnp.flip(total, axis=a) if reverse else total
 
 
-def TopK(X: Any, K: Any, axis: int = -1, largest: int = 1, sorted: int = 1) -> Any:  # noqa: A002
+def TopK(X: Any, K: Any, axis: int = -1, largest: int = 1, sorted: int = 1) -> Any:
     k = int(scalar(K, "TopK's K"))
     a = axis + X.ndim if axis < 0 else axis
     moved = jnp.moveaxis(X, a, -1)
-    if not largest and not jnp.issubdtype(X.dtype, jnp.signedinteger) and not jnp.issubdtype(
-        X.dtype, jnp.floating
+    if (
+        not largest
+        and not jnp.issubdtype(X.dtype, jnp.signedinteger)
+        and not jnp.issubdtype(X.dtype, jnp.floating)
     ):
         raise OpError("TopK largest=0 on unsigned integers is not supported")
     values, index = jax.lax.top_k(moved if largest else -moved, k)

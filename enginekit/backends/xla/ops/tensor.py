@@ -51,7 +51,9 @@ def Size(data: Any) -> Any:
 def Reshape(data: Any, shape: Any, allowzero: int = 0) -> Any:
     target = ints(shape, "Reshape's shape")
     if not allowzero:
-        target = [data.shape[i] if isinstance(d, int) and d == 0 else d for i, d in enumerate(target)]
+        target = [
+            data.shape[i] if isinstance(d, int) and d == 0 else d for i, d in enumerate(target)
+        ]
     if is_static(data) and _all_int(target):
         return np.reshape(data, target)
     return jnp.reshape(to_jax(data), tuple(target))
@@ -183,7 +185,9 @@ def Pad(
 ) -> Any:
     widths_flat = ints(pads, "Pad's pads")
     rank = data.ndim
-    picked = [axis(a, rank) for a in ints(axes, "Pad's axes")] if axes is not None else list(range(rank))
+    picked = (
+        [axis(a, rank) for a in ints(axes, "Pad's axes")] if axes is not None else list(range(rank))
+    )
     n = len(picked)
     widths = [(0, 0)] * rank
     for i, a in enumerate(picked):
@@ -292,4 +296,3 @@ def EyeLike(input: Any, dtype: int | None = None, k: int = 0) -> Any:
     out = np.dtype(input.dtype) if dtype is None else np_dtype(dtype)
     rows, cols = input.shape
     return jnp.eye(rows, cols, k, dtype=out)
-
