@@ -482,9 +482,9 @@ def prepare(
             raise BuildError(
                 f"{exc}; the backend accepts opsets {opsets[0]}..{opsets[1]}"
             ) from None
-        detail = {"from": current.opset, "to": target, "carried": carried}
+        conversion: dict[str, Any] = {"from": current.opset, "to": target, "carried": carried}
         rec = PassRecord("convert_opset", count_nodes(current.proto), count_nodes(proto),
-                         time.perf_counter() - start, detail)  # fmt: skip
+                         time.perf_counter() - start, conversion)  # fmt: skip
         current = load_model(proto)
         records.append(rec)
     for rec in records:
