@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -254,10 +254,3 @@ def load(path: str | os.PathLike, device: str | None = None) -> Engine:
     engine = be.load(artifact, str(device))
     engine.manifest = manifest
     return engine
-
-
-def describe_shapes(profiles: Mapping[str, Any]) -> str:
-    """trtexec-style text of a manifest's profiles (for CLI output)."""
-    return " ".join(
-        f"{n}:{','.join('x'.join(map(str, s)) for s in v)}" for p in profiles for n, v in p.items()
-    )

@@ -52,7 +52,7 @@ def export(
     """
     for mod in exporters().values():
         if mod.accepts(model):
-            return mod.export(model, args, Path(path), **options)  # type: ignore[no-any-return]
+            return mod.export(model, args, Path(path), **options)
     if isinstance(model, (str, os.PathLike)):
         takes = [f"{n}: {m.PATHS}" for n, m in exporters().items() if getattr(m, "PATHS", None)]
         raise ExportError(
