@@ -72,6 +72,7 @@ def _add_build(sub: Any) -> None:
         metavar="KEY=VALUE",
         help="backend option (value parsed as JSON when it is JSON); see `enginekit backends --json`",
     )
+    _add_pass_flags(p)
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     p.set_defaults(func=_cmd_build)
 
@@ -91,6 +92,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         atol=args.atol,
         rtol=args.rtol,
+        **_pass_options(args),
         **options,
     )
     m = engine.manifest
@@ -113,6 +115,24 @@ def _cmd_build(args: argparse.Namespace) -> int:
 def _max_abs(report: dict[str, Any]) -> float:
     values = [o.get("max_abs", 0.0) for c in report.get("cases", []) for o in c["outputs"].values()]
     return max(values, default=0.0)
+
+
+def _add_pass_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-simplify",
+        action="store_true",
+        help="skip graph simplification (constant folding, dead nodes, shape inference)",
+    )
+    p.add_argument(
+        "--outputs",
+        metavar="A,B",
+        help="build only the subgraph computing these tensors (intermediate ones too), to debug",
+    )
+
+
+def _pass_options(args: argparse.Namespace) -> dict[str, Any]:
+    outputs = [o for o in (args.outputs or "").split(",") if o]
+    return {"simplify": not args.no_simplify, "outputs": outputs}
 
 
 # -- run ---------------------------------------------------------------------------------------
@@ -307,6 +327,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 else "no"
             ),
             "payload    " + ", ".join(f"{n} ({e['size']} B)" for n, e in info["payload"].items()),
+            "passes     "
+            + (
+                ", ".join(
+                    f"{p['name']} {p['nodes_before']}->{p['nodes_after']} nodes"
+                    for p in info.get("passes", [])
+                )
+                or "none"
+            ),
         ]
         for key, value in (info.get("backend_details") or {}).items():
             lines.append(f"{key:<10} {value}")
@@ -373,10 +401,26 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- export and prepare (enginekit/cli_export.py holds their work) ---------------------------
+
+
+def _add_export(sub: Any) -> None:
+    from enginekit.cli_export import add_export
+
+    add_export(sub)
+
+
+def _add_prepare(sub: Any) -> None:
+    from enginekit.cli_export import add_prepare
+
+    add_prepare(sub)
+
+
 # -- main --------------------------------------------------------------------------------------
 
 #: Subcommand registrars; features add theirs here.
 COMMANDS: list[Callable[[Any], None]] = [_add_build, _add_run, _add_inspect, _add_backends]
+COMMANDS += [_add_export, _add_prepare]
 
 
 def parser() -> argparse.ArgumentParser:

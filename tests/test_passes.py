@@ -3,6 +3,7 @@ making the batch of legacy models dynamic."""
 
 from __future__ import annotations
 
+import json
 import types
 
 import numpy as np
@@ -76,7 +77,7 @@ def legacy_model() -> onnx.ModelProto:
         helper.make_node("Softmax", ["r3"], ["s"], axis=2),
         helper.make_node(
             "Constant", [], ["shape2"], value=numpy_helper.from_array(np.array([1, 144], np.int64))
-        ),  # fmt: skip
+        ),
         helper.make_node("Reshape", ["s", "shape2"], ["flat"]),
         helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], transB=1),
         helper.make_node("Flatten", ["r"], ["all"], axis=0),  # [1, 144]
@@ -183,7 +184,7 @@ def test_rewrite_batch_reports_what_it_cannot_prove():
 def test_convert_opset_up_and_model_still_matches():
     model = legacy_model()
     converted = passes.convert_opset(model, 13)
-    assert passes._opset(converted) == 13
+    assert ek.load_model(converted).opset == 13
     x = np.random.default_rng(5).standard_normal((1, 3, 8, 8)).astype(np.float32)
     for a, b in zip(_run(converted, {"x": x}), _run(model, {"x": x})):
         np.testing.assert_allclose(a, b, rtol=1e-5)
@@ -201,7 +202,10 @@ def _add_model(dtype: int) -> onnx.ModelProto:
 
 def test_convert_opset_carries_ops_whose_new_version_only_widened_types():
     converted = passes.convert_opset(_add_model(TensorProto.FLOAT), 13)
-    assert passes._opset(converted) == 13 and [n.domain for n in converted.graph.node] == ["", ""]
+    assert ek.load_model(converted).opset == 13 and [n.domain for n in converted.graph.node] == [
+        "",
+        "",
+    ]
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     np.testing.assert_array_equal(_run(converted, {"x": x})[0], x + x)
     with pytest.raises(ek.ModelError, match=r"17 to 13: op 'Add' uses types"):
@@ -285,3 +289,70 @@ def test_rename_inputs_and_outputs():
         passes.rename(foldable_model(), {"x": "h"})
     with pytest.raises(ek.ModelError, match="'z' is not a tensor"):
         passes.rename(foldable_model(), {"z": "w"})
+
+
+def test_cli_prepare_makes_legacy_model_dynamic_and_converts_opset(tmp_path, capsys):
+    from enginekit.cli import main
+
+    src = tmp_path / "legacy.onnx"
+    onnx.save(legacy_model(), src)
+    out = tmp_path / "ready.onnx"
+    code = main(
+        [
+            "prepare",
+            str(src),
+            "-o",
+            str(out),
+            "--batch-dynamic",
+            "--opset",
+            "13",
+            "--rename",
+            "logits=scores",
+            "--json",
+        ]
+    )
+    assert code == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [s["name"] for s in info["steps"]] == [
+        "rename",
+        "batch_dynamic",
+        "simplify",
+        "convert_opset",
+    ]
+    assert info["batch_lint"]["passed"] and info["opset"] == 13
+    model = ek.load_model(out)
+    assert [(s.name, s.shape[0]) for s in model.outputs] == [
+        ("scores", "batch"),
+        ("total", "batch"),
+    ]
+    x = np.random.default_rng(8).standard_normal((5, 3, 8, 8)).astype(np.float32)
+    want = np.concatenate([_run(legacy_model(), {"x": x[i : i + 1]})[0] for i in range(5)])
+    np.testing.assert_allclose(_run(model.proto, {"x": x})[0], want, rtol=1e-4)
+
+
+def test_cli_build_flags_no_simplify_and_outputs(tmp_path, capsys):
+    from enginekit.cli import main
+
+    src = tmp_path / "f.onnx"
+    onnx.save(foldable_model(), src)
+    out = tmp_path / "f.ekit"
+    code = main(
+        [
+            "build",
+            str(src),
+            "--shapes",
+            "x:2x4",
+            "--no-simplify",
+            "--outputs",
+            "hb,h",
+            "-o",
+            str(out),
+            "--json",
+        ]
+    )
+    assert code == 0
+    manifest = json.loads(capsys.readouterr().out)
+    assert [p["name"] for p in manifest["passes"]] == ["extract"]
+    assert [o["name"] for o in manifest["outputs"]] == ["hb", "h"]
+    assert main(["inspect", str(out)]) == 0
+    assert "passes     extract 10->7 nodes" in capsys.readouterr().out

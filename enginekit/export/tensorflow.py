@@ -174,9 +174,10 @@ def _example_target(tf: Any, args: Any, call: Callable[..., Any], hints: list[st
 def _function_target(tf: Any, fn: Any, args: Any) -> Target:
     py = fn.python_function
     params = [
-        p.name for p in inspect.signature(py).parameters.values()
+        p.name
+        for p in inspect.signature(py).parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]  # fmt: skip
+    ]
     if fn.input_signature is None:
         if args is None:
             raise ExportError(
@@ -238,9 +239,12 @@ def _keras_target(tf: Any, model: Any, args: Any) -> Target:
                 "inputs as args, or build it from keras.Input(...)"
             )
         t = _example_target(
-            tf, args, lambda *xs: model(xs[0] if len(xs) == 1 else list(xs), training=False),
-            [], what,
-        )  # fmt: skip
+            tf,
+            args,
+            lambda *xs: model(xs[0] if len(xs) == 1 else list(xs), training=False),
+            [],
+            what,
+        )
         return dataclasses.replace(t, output_names=out_names)
     flat = tf.nest.flatten(structure)
     specs = [tf.TensorSpec(k.shape, k.dtype) for k in flat]

@@ -5,6 +5,7 @@ TensorFlow takes ~10 s to import: every test here shares one module-scoped impor
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -299,3 +300,32 @@ def test_accepts_paths_without_importing_tensorflow(tmp_path):
     )
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_cli_exports_savedmodel_dir_and_module_function(tf, tmp_path, monkeypatch, capsys):
+    from enginekit.cli import main
+
+    class Doubler(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32, name="x")])
+        def __call__(self, x):
+            return {"y": x * 2.0}
+
+    doubler = Doubler()
+    tf.saved_model.save(doubler, str(tmp_path / "sm"), signatures=doubler.__call__)
+    assert main(["export", str(tmp_path / "sm"), "-o", str(tmp_path / "sm.onnx"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 3]}]
+    assert info["outputs"][0]["name"] == "y" and info["checked"]
+
+    (tmp_path / "zoo.py").write_text(
+        "import keras\n"
+        "def make_model():\n"
+        "    return keras.Sequential([keras.Input((4,), name='x'), keras.layers.Dense(2)])\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "zoo", raising=False)
+    assert main(["export", "zoo:make_model", "-o", "zoo.onnx", "--output-names", "z"]) == 0
+    assert "exported zoo.onnx (opset 18, checked" in capsys.readouterr().out
+    assert [o.name for o in onnx.load(tmp_path / "zoo.onnx").graph.output] == ["z"]
+    assert main(["export", "zoo:nothing", "-o", "x.onnx"]) == 2
+    assert "cannot load it" in capsys.readouterr().err
