@@ -64,10 +64,10 @@ def _refuse_random(concrete: Any, what: str) -> None:
     random = [f"{n.op} ({n.name})" for n in nodes if _RANDOM.search(n.op)]
     if random:
         raise ExportError(
-            f"the {what} draws random numbers when traced: {', '.join(random[:3])}. That is a "
-            "model in training mode (Dropout, GaussianNoise...): call Keras layers and models "
-            "with training=False inside the function (enginekit does so itself when given the "
-            "Keras model)"
+            f"the {what} draws random numbers: {', '.join(random[:3])}; an ONNX engine cannot "
+            "reproduce them. Usually that is a model in training mode (Dropout, GaussianNoise): "
+            "call Keras layers and models with training=False inside the function (enginekit "
+            "does so itself when given the Keras model)"
         )
 
 

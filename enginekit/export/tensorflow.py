@@ -171,6 +171,15 @@ def _example_target(tf: Any, args: Any, call: Callable[..., Any], hints: list[st
     return Target(call, names, dtypes, shapes, True, None, what)
 
 
+def _leaf_keys(structure: Any, key: str = "input") -> list[str]:
+    """The innermost dict key (or the position) of each leaf, in tf.nest.flatten's order."""
+    if isinstance(structure, Mapping):
+        return [k for name in sorted(structure) for k in _leaf_keys(structure[name], str(name))]
+    if isinstance(structure, (list, tuple)):
+        return [k for i, v in enumerate(structure) for k in _leaf_keys(v, f"{key}_{i}")]
+    return [key]
+
+
 def _function_target(tf: Any, fn: Any, args: Any) -> Target:
     py = fn.python_function
     params = [
@@ -189,8 +198,9 @@ def _function_target(tf: Any, fn: Any, args: Any) -> Target:
     structure = fn.input_signature
     specs = tf.nest.flatten(structure)
     top = len(structure) == len(specs)  # flat: one TensorSpec per argument
+    paths = _leaf_keys(structure)
     hints = [
-        s.name or (params[i] if top and i < len(params) else None) for i, s in enumerate(specs)
+        s.name or (params[i] if top and i < len(params) else paths[i]) for i, s in enumerate(specs)
     ]
     names, dtypes, shapes = _from_specs(tf, specs, hints)
 
@@ -288,11 +298,23 @@ def _savedmodel_target(tf: Any, loaded: Any, signature: str, where: str) -> Targ
     return _concrete_target(tf, sigs[signature], f"{where} signature {signature!r}", loaded)
 
 
-def _load_path(tf: Any, path: Path, signature: str, args: Any) -> Target:
+def _check_path(path: Path) -> str:
+    """The kind of model file at ``path``; refused before TensorFlow is imported (seconds)."""
     kind = _path_kind(path)
-    if kind == "keras":
-        if not path.is_file():
-            raise ExportError(f"{path}: no such .keras file")
+    if kind == "keras" and not path.is_file():
+        raise ExportError(f"{path}: no such .keras file")
+    if kind is None:
+        found = ", ".join(sorted(p.name for p in path.iterdir())[:8]) if path.is_dir() else ""
+        what = f"a directory holding {found or 'nothing'}" if path.is_dir() else "not a directory"
+        raise ExportError(
+            f"{path}: not a SavedModel ({what}); expected {PATHS}. Save one with "
+            "tf.saved_model.save(obj, path) or model.export(path)"
+        )
+    return kind
+
+
+def _load_path(tf: Any, path: Path, signature: str, args: Any) -> Target:
+    if _check_path(path) == "keras":
         import keras
 
         try:
@@ -303,13 +325,6 @@ def _load_path(tf: Any, path: Path, signature: str, args: Any) -> Target:
                 "must be registered (keras.saving.register_keras_serializable) and imported"
             ) from None
         return _keras_target(tf, model, args)
-    if kind != "savedmodel":
-        found = ", ".join(sorted(p.name for p in path.iterdir())[:8]) if path.is_dir() else ""
-        what = f"a directory holding {found or 'nothing'}" if path.is_dir() else "not a directory"
-        raise ExportError(
-            f"{path}: not a SavedModel ({what}); expected {PATHS}. Save one with "
-            "tf.saved_model.save(obj, path) or model.export(path)"
-        )
     try:
         loaded = tf.saved_model.load(str(path))
     except Exception as exc:
@@ -319,6 +334,8 @@ def _load_path(tf: Any, path: Path, signature: str, args: Any) -> Target:
 
 def target_of(model: Any, args: Any = None, signature: str = "serving_default") -> Target:
     """Reduce whatever was given to a :class:`Target` (imports TensorFlow)."""
+    if isinstance(model, (str, os.PathLike)):
+        _check_path(Path(model))
     tf = _tf()
     if isinstance(model, (str, os.PathLike)):
         return _load_path(tf, Path(model), signature, args)
@@ -344,6 +361,22 @@ def _as_arrays(args: Any, names: Sequence[str]) -> dict[str, np.ndarray]:
     for i, a in enumerate(items):
         hint = names[i] if i < len(names) else f"input_{i}"
         out[_clean(hint, taken)] = np.asarray(a)
+    return out
+
+
+def _match_dtypes(examples: dict[str, np.ndarray], target: Target) -> dict[str, np.ndarray]:
+    """Example inputs in the model's dtypes: floats are cast (numpy makes float64 by default),
+    anything else must already match."""
+    out = {}
+    for (name, a), dtype in zip(examples.items(), target.dtypes):
+        want = np.dtype(dtype.as_numpy_dtype)
+        if a.dtype != want:
+            if not (a.dtype.kind == "f" and want.kind == "f"):
+                raise ExportError(
+                    f"example input {name!r} is {a.dtype}; the {target.what} takes {want}"
+                )
+            a = a.astype(want)
+        out[name] = a
     return out
 
 
@@ -459,6 +492,8 @@ def export(
                 f"{len(examples)} example inputs for the {target.what}, which takes "
                 f"{len(target.names)} ({', '.join(target.names)})"
             )
+    if examples is not None:
+        examples = _match_dtypes(examples, target)
     axes = _symbols(target, dynamic_batch, dynamic_dims)
     shapes = _export_shapes(target, axes, examples)
 

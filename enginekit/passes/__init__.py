@@ -38,6 +38,9 @@ from enginekit.passes.opset import _convert, convert_opset
 
 log = logging.getLogger(__name__)
 
+#: onnxslim round-trips the model through protobuf, which cannot hold 2 GiB.
+_MAX_SIMPLIFY_BYTES = (2 << 30) - (64 << 20)
+
 __all__ = [
     "SIMPLIFY_STEPS",
     "BatchRewrite",
@@ -147,7 +150,10 @@ def prepare(
             raise BuildError(f"outputs={list(outputs)}: {exc}") from None
         records.append(dataclasses.replace(rec, detail={"outputs": list(outputs)}))
     current = reference
-    if simplify:
+    if simplify and current.proto.ByteSize() > _MAX_SIMPLIFY_BYTES:
+        n = count_nodes(current.proto)
+        records.append(PassRecord("simplify", n, n, 0.0, {"skipped": "model over 2 GiB"}))
+    elif simplify:
         detail = {"tool": _slim_version(), "steps": list(SIMPLIFY_STEPS)}
         start = time.perf_counter()
         try:

@@ -285,6 +285,10 @@ def test_bad_options_are_refused(tf, tmp_path):
         ek.export(f, None, tmp_path / "f.onnx", output_names=["only"])
     proto = onnx.load(ek.export(f, None, tmp_path / "f.onnx", output_names=["up", "down"]))
     assert [o.name for o in proto.graph.output] == ["up", "down"]
+    # numpy's default float64 examples are cast to the signature's float32; ints are not
+    ek.export(f, np.zeros((3, 4)), tmp_path / "f64.onnx")
+    with pytest.raises(ek.ExportError, match="example input 'x' is int64; .* takes float32"):
+        ek.export(f, np.zeros((3, 4), np.int64), tmp_path / "i64.onnx")
 
 
 def test_accepts_paths_without_importing_tensorflow(tmp_path):
@@ -296,6 +300,10 @@ def test_accepts_paths_without_importing_tensorflow(tmp_path):
         f"assert t.accepts({str(tmp_path / 'sm')!r}) and t.accepts('m.keras')\n"
         f"assert not t.accepts({str(tmp_path)!r}) and not t.accepts('m.onnx')\n"
         "assert not t.accepts(object())\n"
+        "try:\n"
+        f"    t.export({str(tmp_path)!r}, None, 'x.onnx')\n"
+        "except enginekit.ExportError as e:\n"
+        "    assert 'not a SavedModel' in str(e)\n"
         "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules\n"
     )
     root = Path(__file__).resolve().parents[2]
@@ -329,3 +337,20 @@ def test_cli_exports_savedmodel_dir_and_module_function(tf, tmp_path, monkeypatc
     assert [o.name for o in onnx.load(tmp_path / "zoo.onnx").graph.output] == ["z"]
     assert main(["export", "zoo:nothing", "-o", "x.onnx"]) == 2
     assert "cannot load it" in capsys.readouterr().err
+
+
+def test_dict_signature_inputs_are_named_by_key(tf, tmp_path):
+    spec = {"b": tf.TensorSpec([None, 2], tf.float32), "a": tf.TensorSpec([None, 3], tf.float32)}
+
+    @tf.function(input_signature=[spec])
+    def f(features):
+        return tf.concat([features["a"], features["b"]], axis=1)
+
+    proto = onnx.load(ek.export(f, None, tmp_path / "d.onnx"))
+    assert [(i.name, _dims(i)) for i in proto.graph.input] == [
+        ("a", ["batch", 3]),
+        ("b", ["batch", 2]),
+    ]
+    a, b = np.ones((2, 3), np.float32), np.zeros((2, 2), np.float32)
+    got = ek.build(proto, shapes={"a": (2, 3), "b": (2, 2)}).infer({"a": a, "b": b})["output"]
+    np.testing.assert_array_equal(got, np.concatenate([a, b], axis=1))
