@@ -354,3 +354,19 @@ def test_dict_signature_inputs_are_named_by_key(tf, tmp_path):
     a, b = np.ones((2, 3), np.float32), np.zeros((2, 2), np.float32)
     got = ek.build(proto, shapes={"a": (2, 3), "b": (2, 2)}).infer({"a": a, "b": b})["output"]
     np.testing.assert_array_equal(got, np.concatenate([a, b], axis=1))
+
+
+def test_docs_export_examples_run(tf, tmp_path, monkeypatch):
+    pytest.importorskip("torch", reason="docs/export.md also exports a PyTorch model")
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 6
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/export.md", "exec"), namespace)
+    assert namespace["probs"].shape == (3, 4)
+    for name in ("net", "classify", "cnn", "cnn_from_file", "cnn_from_savedmodel", "pool"):
+        assert (tmp_path / f"{name}.onnx").is_file(), name
