@@ -4,6 +4,7 @@ making the batch of legacy models dynamic."""
 from __future__ import annotations
 
 import json
+import sys
 import types
 
 import numpy as np
@@ -356,3 +357,13 @@ def test_cli_build_flags_no_simplify_and_outputs(tmp_path, capsys):
     assert [o["name"] for o in manifest["outputs"]] == ["hb", "h"]
     assert main(["inspect", str(out)]) == 0
     assert "passes     extract 10->7 nodes" in capsys.readouterr().out
+
+
+def test_build_without_onnxslim_records_why_and_still_builds(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "onnxslim", None)  # import onnxslim -> ImportError
+    engine = ek.build(foldable_model(), shapes={"x": (2, 4)})
+    (record,) = engine.manifest["passes"]
+    assert record["name"] == "simplify" and record["nodes_after"] == record["nodes_before"]
+    assert "pip install onnxslim" in record["error"]
+    assert "graph simplification skipped" in caplog.text
+    assert engine.manifest["verify"]["passed"]
