@@ -135,6 +135,8 @@ def build(
         model = load_model(model)
     be = backends.require(config.backend, config.device)
     backends.check_options(be, config.options)
+    if not config.outputs:
+        check_profiles(model, config.profiles)  # fail fast, before any graph pass
     with step("preparing the graph"):
         # The backend builds the prepared graph; the manifest's source hash stays the user's.
         prepared = prepare(

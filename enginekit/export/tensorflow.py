@@ -163,10 +163,21 @@ def _from_specs(
     return names, dtypes, shapes
 
 
-def _example_target(tf: Any, args: Any, call: Callable[..., Any], hints: list[str], what: str):
-    """A target whose signature comes from example inputs (dims as given, all fixed)."""
+def _example_target(
+    tf: Any,
+    args: Any,
+    call: Callable[..., Any],
+    hints: list[str],
+    what: str,
+    floatx: str | None = None,
+) -> Target:
+    """A target whose signature comes from example inputs (dims as given, all fixed); float
+    examples take the dtype ``floatx`` when given (Keras computes in its floatx)."""
     arrays = _as_arrays(args, hints)
-    specs = [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in arrays.values()]
+    specs = [
+        tf.TensorSpec(a.shape, tf.as_dtype(floatx if floatx and a.dtype.kind == "f" else a.dtype))
+        for a in arrays.values()
+    ]
     names, dtypes, shapes = _from_specs(tf, specs, list(arrays))
     return Target(call, names, dtypes, shapes, True, None, what)
 
@@ -254,6 +265,7 @@ def _keras_target(tf: Any, model: Any, args: Any) -> Target:
             lambda *xs: model(xs[0] if len(xs) == 1 else list(xs), training=False),
             [],
             what,
+            floatx=keras.config.floatx(),
         )
         return dataclasses.replace(t, output_names=out_names)
     flat = tf.nest.flatten(structure)
@@ -485,12 +497,12 @@ def export(
     if examples is not None and list(examples) != list(target.names):
         if sorted(examples) == sorted(target.names):
             examples = {n: examples[n] for n in target.names}
-        elif len(examples) == len(target.names):
+        elif len(examples) == len(target.names) and not isinstance(args, Mapping):
             examples = dict(zip(target.names, examples.values()))
         else:
             raise ExportError(
-                f"{len(examples)} example inputs for the {target.what}, which takes "
-                f"{len(target.names)} ({', '.join(target.names)})"
+                f"example inputs {', '.join(examples)} for the {target.what}, which takes "
+                f"{len(target.names)}: {', '.join(target.names)}"
             )
     if examples is not None:
         examples = _match_dtypes(examples, target)

@@ -289,6 +289,8 @@ def test_bad_options_are_refused(tf, tmp_path):
     ek.export(f, np.zeros((3, 4)), tmp_path / "f64.onnx")
     with pytest.raises(ek.ExportError, match="example input 'x' is int64; .* takes float32"):
         ek.export(f, np.zeros((3, 4), np.int64), tmp_path / "i64.onnx")
+    with pytest.raises(ek.ExportError, match="example inputs features for .* takes 1: x"):
+        ek.export(f, {"features": np.zeros((3, 4))}, tmp_path / "named.onnx")
 
 
 def test_accepts_paths_without_importing_tensorflow(tmp_path):
@@ -370,3 +372,23 @@ def test_docs_export_examples_run(tf, tmp_path, monkeypatch):
     assert namespace["probs"].shape == (3, 4)
     for name in ("net", "classify", "cnn", "cnn_from_file", "cnn_from_savedmodel", "pool"):
         assert (tmp_path / f"{name}.onnx").is_file(), name
+
+
+def test_subclassed_keras_model_takes_its_inputs_from_examples(keras, tmp_path):
+    class Head(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.dense(x) * 2.0
+
+    model = Head()
+    with pytest.raises(ek.ExportError, match="no defined inputs.*example"):
+        ek.export(model, None, tmp_path / "h.onnx")
+    x = np.random.default_rng(3).standard_normal((2, 5))  # float64, as numpy makes it
+    proto = onnx.load(ek.export(model, x, tmp_path / "h.onnx"))
+    (inp,) = proto.graph.input
+    assert _dims(inp) == ["batch", 5] and inp.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    named = onnx.load(ek.export(model, {"features": x}, tmp_path / "h2.onnx"))
+    assert [i.name for i in named.graph.input] == ["features"]  # a dict names the inputs
