@@ -283,8 +283,11 @@ def test_bad_options_are_refused(tf, tmp_path):
         ek.export(f, None, tmp_path / "f.onnx", opset=20)
     with pytest.raises(ek.ExportError, match="output_names.*returns 2 outputs"):
         ek.export(f, None, tmp_path / "f.onnx", output_names=["only"])
-    proto = onnx.load(ek.export(f, None, tmp_path / "f.onnx", output_names=["up", "down"]))
+    proto = onnx.load(
+        ek.export(f, None, tmp_path / "f.onnx", output_names=["up", "down"], opset=13)
+    )
     assert [o.name for o in proto.graph.output] == ["up", "down"]
+    assert ek.load_model(proto).opset == 13
     # numpy's default float64 examples are cast to the signature's float32; ints are not
     ek.export(f, np.zeros((3, 4)), tmp_path / "f64.onnx")
     with pytest.raises(ek.ExportError, match="example input 'x' is int64; .* takes float32"):
