@@ -44,9 +44,9 @@ from enginekit.errors import (
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
-    "install it from NVIDIA's package index: pip install --extra-index-url "
-    "https://pypi.nvidia.com tensorrt-cu12 (or tensorrt-cu13), or run in an NGC container "
-    "(nvcr.io/nvidia/tensorrt or nvcr.io/nvidia/pytorch); see docs/backends/tensorrt.md"
+    "install it from NVIDIA's package index: pip install --extra-index-url https://pypi.nvidia.com "
+    "tensorrt (CUDA 13 builds; tensorrt-cu12 for CUDA 12), or run in an NGC container "
+    "(nvcr.io/nvidia/tensorrt, nvcr.io/nvidia/pytorch); see docs/backends/tensorrt.md"
 )
 
 #: numpy dtype names of TensorRT's DataType members (bf16 needs ml_dtypes).
