@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -170,7 +170,7 @@ def _save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", suffix=".npz", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            cast(Any, np.savez)(f, **arrays)  # numpy stubs type **kwds as bool
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -302,10 +302,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from enginekit.artifact import MANIFEST
 
     p = Path(args.path)
-    is_artifact = (
-        p.is_dir()
-        and (p / MANIFEST).exists()
-        or (p.is_file() and p.suffix != ".onnx" and _is_zip(p))
+    is_artifact = (p.is_dir() and (p / MANIFEST).exists()) or (
+        p.is_file() and p.suffix != ".onnx" and _is_zip(p)
     )
     if is_artifact:
         info = inspect_artifact(args.path, ir=args.ir)
