@@ -116,12 +116,6 @@ def plan_profiles(
                     f"profile {i} names input {name!r}, which the model does not have (inputs: "
                     f"{', '.join(specs)})"
                 )
-        for name in sorted(set(profile) ^ first):
-            where, missing = (0, i) if name in first else (i, 0)
-            raise BuildError(
-                f"input {name!r} is in profile {where} but not in profile {missing}: every "
-                "profile must cover the same inputs"
-            )
         complete = {}
         for spec in inputs:
             if spec.name in profile:
@@ -135,6 +129,12 @@ def plan_profiles(
                 )
             else:
                 complete[spec.name] = ShapeProfile.fixed(tuple(int(d) for d in spec.shape))
+        for name in sorted(set(profile) ^ first):
+            where, missing = (0, i) if name in first else (i, 0)
+            raise BuildError(
+                f"input {name!r} is in profile {where} but not in profile {missing}: every "
+                "profile must cover the same inputs"
+            )
         _check_shared_dims(i, inputs, complete)
         out.append(complete)
     return tuple(out)

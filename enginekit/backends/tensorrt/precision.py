@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from enginekit.backends.tensorrt.plan import DEFAULT_FP32_OPS
 from enginekit.errors import BuildError
 
 log = logging.getLogger(__name__)
@@ -61,14 +62,14 @@ def has_qdq(proto: onnx.ModelProto) -> bool:
 
 
 def to_low_precision(
-    proto: onnx.ModelProto, precision: str, fp32_ops: Sequence[str] = ()
+    proto: onnx.ModelProto, precision: str, fp32_ops: Sequence[str] | None = None
 ) -> onnx.ModelProto:
     """A copy of ``proto`` computing in fp16 or bf16, inputs and outputs still float32.
 
     Args:
         proto: the float32 model.
         precision: ``fp16`` or ``bf16``.
-        fp32_ops: op types to keep in float32.
+        fp32_ops: op types to keep in float32 (default: plan.DEFAULT_FP32_OPS).
 
     Raises:
         BuildError: the model has control-flow subgraphs (If/Loop/Scan), or a tensor whose type
@@ -93,7 +94,7 @@ def to_low_precision(
     types = _value_types(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
     rewriter = _Rewriter(model, types, low)
-    blocked = set(fp32_ops)
+    blocked = set(DEFAULT_FP32_OPS if fp32_ops is None else fp32_ops)
     for k, node in enumerate(model.graph.node):
         rewriter.plan_node(k, node, opset, blocked)
     rewriter.apply()
@@ -383,8 +384,8 @@ def check_qdq(qdq: onnx.ModelProto, source: onnx.ModelProto) -> None:
     want_in, want_out = io_specs(source)
     got_in, got_out = io_specs(qdq)
     for kind, want, got in (("inputs", want_in, got_in), ("outputs", want_out, got_out)):
-        w = [(s.name, s.dtype) for s in want]
-        g = [(s.name, s.dtype) for s in got]
+        w = [str(s) for s in want]
+        g = [str(s) for s in got]
         if w != g:
             raise BuildError(
                 f"the Q/DQ model's {kind} {g} differ from the source model's {w}; quantize the "
