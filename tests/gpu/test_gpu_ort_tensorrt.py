@@ -14,7 +14,7 @@ import pytest
 import enginekit as ek
 from enginekit import backends
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "backends" / "tensorrt"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "backends" / "trt"))
 import trt_models
 
 

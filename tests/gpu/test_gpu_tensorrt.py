@@ -18,7 +18,7 @@ import enginekit as ek
 from enginekit import backends
 from enginekit.config import DEFAULT_TOLERANCE, Precision
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "backends" / "tensorrt"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "backends" / "trt"))
 import trt_models
 
 AVAIL = backends.availability("tensorrt")

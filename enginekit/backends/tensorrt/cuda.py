@@ -49,7 +49,6 @@ _SIG: dict[str, tuple[Any, ...]] = {
     "cuMemFreeHost": (_P,),
     "cuMemcpyHtoDAsync_v2": (_U64, _P, ctypes.c_size_t, _P),
     "cuMemcpyDtoHAsync_v2": (_P, _U64, ctypes.c_size_t, _P),
-    "cuMemcpyDtoDAsync_v2": (_U64, _U64, ctypes.c_size_t, _P),
     "cuStreamCreate": (ctypes.POINTER(_P), ctypes.c_uint),
     "cuStreamSynchronize": (_P,),
     "cuStreamDestroy_v2": (_P,),
@@ -228,12 +227,22 @@ class PinnedBuffer:
 
     def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A numpy view of the buffer's first ``prod(shape)`` items of ``dtype``."""
-        raw = (ctypes.c_byte * max(self.nbytes, 1)).from_address(self.ptr)
-        count = int(np.prod(shape, dtype=np.int64))
-        return np.frombuffer(memoryview(raw), dtype=dtype, count=count).reshape(shape)
+        return host_view(self.ptr, self.nbytes, shape, dtype)
 
     def free(self) -> None:
         self._free()
+
+
+def host_view(ptr: int, nbytes: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A writable numpy array over ``nbytes`` of host memory at address ``ptr`` (no copy)."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    if count * dtype.itemsize > nbytes:
+        raise ValueError(
+            f"{dtype}{list(shape)} needs {count * dtype.itemsize} bytes, have {nbytes}"
+        )
+    raw = (ctypes.c_byte * max(nbytes, 1)).from_address(ptr)
+    return np.frombuffer(memoryview(raw), dtype=dtype, count=count).reshape(shape)
 
 
 def _safe(fn: Any, ptr: int) -> None:

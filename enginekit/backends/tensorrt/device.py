@@ -78,6 +78,13 @@ def import_tensorrt() -> Any:
         raise BackendUnavailable(
             f"TensorRT is installed but does not load ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
         ) from None
+    if getattr(tensorrt, "__file__", None) is None or not hasattr(tensorrt, "__version__"):
+        # A directory named tensorrt on sys.path imports as an empty namespace package.
+        where = [str(p) for p in getattr(tensorrt, "__path__", [])]
+        raise BackendUnavailable(
+            f"TensorRT is not installed ('import tensorrt' found only the directory {where}); "
+            f"{INSTALL_HINT}"
+        )
     return tensorrt
 
 

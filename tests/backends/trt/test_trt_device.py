@@ -96,6 +96,16 @@ def test_non_contiguous_cuda_array_is_refused_with_the_fix():
         cuda.parse_cuda_array(FakeCudaArray((2, 3), strides=(4, 8)), "x")
 
 
+def test_host_view_reads_and_writes_the_memory_at_the_address():
+    buf = (ctypes.c_float * 6)(*range(6))
+    view = cuda.host_view(ctypes.addressof(buf), 24, (2, 3), np.float32)
+    assert view.tolist() == [[0, 1, 2], [3, 4, 5]]
+    view[1, 2] = 42.0
+    assert buf[5] == 42.0
+    with pytest.raises(ValueError, match="needs 28 bytes"):
+        cuda.host_view(ctypes.addressof(buf), 24, (7,), np.float32)
+
+
 @pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="an NVIDIA driver is here")
 def test_without_a_driver_there_are_no_devices_and_a_clear_error():
     assert cuda.device_count() == 0

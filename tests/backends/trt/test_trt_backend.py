@@ -4,7 +4,8 @@ it is unavailable and how to install, refuses builds with that reason, and the C
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import sys
 
 import pytest
 import trt_models
@@ -17,7 +18,18 @@ from enginekit.config import BuildConfig, parse_shapes
 from enginekit.errors import BuildError
 from enginekit.model import load_model
 
-HAS_TRT = importlib.util.find_spec("tensorrt") is not None
+
+def _has_tensorrt() -> bool:
+    from enginekit.backends.tensorrt import device
+
+    try:
+        device.import_tensorrt()
+    except ek.BackendUnavailable:
+        return False
+    return True
+
+
+HAS_TRT = _has_tensorrt()
 no_trt = pytest.mark.skipif(HAS_TRT, reason="checks the messages of machines without TensorRT")
 
 
@@ -36,6 +48,19 @@ def test_unavailable_without_tensorrt_with_how_to_install():
     assert not avail.available and avail.devices == ()
     assert "TensorRT is not installed" in avail.reason
     assert "pypi.nvidia.com" in avail.reason and "nvcr.io" in avail.reason
+
+
+@no_trt
+def test_a_directory_named_tensorrt_on_the_path_is_not_taken_for_tensorrt(tmp_path, monkeypatch):
+    from enginekit.backends.tensorrt import device
+
+    (tmp_path / "tensorrt").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tensorrt", raising=False)
+    importlib.invalidate_caches()
+    with pytest.raises(ek.BackendUnavailable, match="found only the directory"):
+        device.import_tensorrt()
+    monkeypatch.delitem(sys.modules, "tensorrt", raising=False)
 
 
 @no_trt
