@@ -58,9 +58,11 @@ def test_a_directory_named_tensorrt_on_the_path_is_not_taken_for_tensorrt(tmp_pa
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "tensorrt", raising=False)
     importlib.invalidate_caches()
-    with pytest.raises(ek.BackendUnavailable, match="found only the directory"):
-        device.import_tensorrt()
-    monkeypatch.delitem(sys.modules, "tensorrt", raising=False)
+    try:
+        with pytest.raises(ek.BackendUnavailable, match="found only the directory"):
+            device.import_tensorrt()
+    finally:
+        sys.modules.pop("tensorrt", None)  # not through monkeypatch: it would restore the fake
 
 
 @no_trt
