@@ -86,9 +86,7 @@ def bench_table(results: Sequence[BenchResult]) -> str:
                     f"{lat.p99:.4g}",
                     f"{lat.max:.4g}",
                     f"{b.throughput:.5g}",
-                    "-"
-                    if b.spread is None
-                    else f"±{b.spread / 2:.1%}" + ("!" if not b.stable else ""),
+                    "-" if b.spread is None else f"{b.spread:.0%}" + ("!" if not b.stable else ""),
                     str(b.runs),
                     num(b.peak_rss_mb, 5),
                     b.note,
@@ -99,8 +97,8 @@ def bench_table(results: Sequence[BenchResult]) -> str:
         h = results[0].host
         lines.append(
             f"host: {h.get('cpu', '?')}, {h.get('cpus', '?')} CPUs, load {h.get('loadavg', '?')}; "
-            f"rounds {results[0].settings.get('rounds')}; SPREAD is half the round-to-round range "
-            "of throughput ('!' = unstable)"
+            f"rounds {results[0].settings.get('rounds')}; SPREAD = (max - min) / median of the "
+            "rounds' throughput ('!' = unstable)"
         )
     return "\n".join(lines)
 
@@ -121,7 +119,7 @@ def auto_table(auto: Mapping[str, Any]) -> str:
                 num(lat.get("p50"), 4),
                 num(lat.get("p99"), 4),
                 num(b.get("throughput"), 5),
-                "-" if spread is None else f"±{spread / 2:.1%}",
+                "-" if spread is None else f"{spread:.0%}",
                 c.get("error") or b.get("note") or "",
             ]
         )
