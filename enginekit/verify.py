@@ -167,9 +167,9 @@ def check_output(
     # An infinite reference would make the bound infinite and let any value through.
     bound = np.where(np.isfinite(r), atol + rtol * np.abs(r), 0.0)
     within = diff <= bound
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # inf errors make inf/NaN, on purpose
         rel = diff / np.maximum(np.abs(r), np.finfo(np.float32).tiny)
-    p50, p90, p99 = (float(v) for v in np.percentile(diff, [50, 90, 99]))
+        p50, p90, p99 = (float(v) for v in np.percentile(diff, [50, 90, 99]))
     worst = np.unravel_index(int(np.argmax(diff)), diff.shape)
     cosine = _cosine(g, r)
     top1, topk_value, k = _top_agreement(g, r, topk) if got.dtype.kind == "f" else (None,) * 3
