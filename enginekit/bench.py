@@ -311,7 +311,8 @@ def check_settings(
 def default_batch_sizes(engine: Engine) -> list[int]:
     """Powers of two across the first profile's batch range, plus its min, opt and max."""
     if not batched(engine):
-        return [int(next(iter(engine.inputs)).shape[0])] if engine.inputs[0].shape else [1]
+        first = engine.inputs[0].shape[0] if engine.inputs and engine.inputs[0].shape else 1
+        return [first if isinstance(first, int) else 1]
     if not engine.profiles:
         return [1, 8]
     p = engine.profiles[0][engine.inputs[0].name]

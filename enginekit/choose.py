@@ -258,7 +258,7 @@ def _choose(
     results = bench_many(
         [e for e, _, _ in built],
         [batch],
-        duration=duration * len(built),  # bench_many shares it per engine: duration each
+        duration=duration,  # per candidate; rounds interleave the candidates
         warmup=min(0.2, duration / 4),
         rounds=rounds,
         labels=[r["label"] for _, r, _ in built],
