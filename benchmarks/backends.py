@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import enginekit as ek
 from enginekit import backends as registry
-from enginekit.bench import host_info, spread, time_calls
+from enginekit.bench import spread, time_calls
+from enginekit.machine import host_info
 
 # -- the model ----------------------------------------------------------------------------------
 

@@ -16,7 +16,8 @@ __version__ = "0.1.0"
 from enginekit.backends import Availability
 from enginekit.bench import BenchResult, bench
 from enginekit.build import build, load
-from enginekit.compare import Candidate, CompareReport, compare
+from enginekit.candidates import Candidate
+from enginekit.compare import CompareReport, compare
 from enginekit.config import BuildConfig, Precision, ShapeProfile, parse_shapes
 from enginekit.engine import Engine, TensorSpec
 from enginekit.errors import (

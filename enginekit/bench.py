@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib.metadata
 import math
 import os
 import time
@@ -21,19 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from enginekit import __version__, target
+from enginekit import __version__
 from enginekit.engine import Engine
 from enginekit.errors import EnginekitError, UsageError
+from enginekit.machine import host_info, peak_rss_mb, reset_peak_rss, versions
 from enginekit.model import concrete_shapes, random_feeds
 
 #: Relative spread of round throughputs, (max - min) / median, above which a result is unstable.
 UNSTABLE_SPREAD = 0.10
-
-#: Packages whose versions a report records when installed.
-_PACKAGES = (
-    "numpy", "onnx", "onnxruntime", "onnxruntime-gpu", "apache-tvm", "jax", "jaxlib",
-    "tensorflow-cpu", "tensorflow", "torch", "tensorrt",
-)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,36 +143,6 @@ class BenchResult:
         from enginekit.report import bench_table
 
         return bench_table([self])
-
-
-# -- memory --------------------------------------------------------------------------------------
-
-
-def _vm_hwm_mb() -> float | None:
-    """Peak resident set size of this process (Linux VmHWM), in MiB."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    try:
-        import resource
-
-        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    except (ImportError, OSError):
-        return None
-
-
-def _reset_peak() -> bool:
-    """Reset the peak RSS counter (Linux >= 4.0), so the next reading is this stretch's peak."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 # -- timing --------------------------------------------------------------------------------------
@@ -342,35 +306,6 @@ def describe_engine(engine: Engine, label: str | None = None, path: Any = None) 
     }
 
 
-def versions() -> dict[str, str]:
-    """enginekit, Python and the installed versions of the packages engines run on."""
-    out = {"enginekit": __version__, "python": target.host()["python"]}
-    for name in _PACKAGES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
-
-
-def host_info() -> dict[str, Any]:
-    """The host as a benchmark report records it, with CPU count and load at the start."""
-    info = dict(target.host())
-    info["cpus"] = os.cpu_count()
-    try:
-        info["affinity"] = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        pass
-    try:
-        info["loadavg"] = [round(v, 2) for v in os.getloadavg()]
-    except OSError:
-        pass
-    threads = {k: v for k, v in os.environ.items() if k.endswith("_NUM_THREADS")}
-    if threads:
-        info["threads_env"] = threads
-    return info
-
-
 @dataclasses.dataclass
 class _Job:
     """Mutable state of one (engine, batch size) while rounds run."""
@@ -484,7 +419,7 @@ def _bench_opened(
 ) -> list[BenchResult]:
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     host = host_info()
-    start_peak = _vm_hwm_mb()
+    start_peak = peak_rss_mb()
     jobs = [[_Job(int(b)) for b in (batch_sizes or default_batch_sizes(e))] for e in opened]
     for engine, engine_jobs in zip(opened, jobs):
         for job in engine_jobs:
@@ -536,9 +471,9 @@ def _prepare(
         )
         job.shapes = {k: tuple(v.shape) for k, v in job.feeds.items()}
         feeds = job.feeds
-        _reset_peak()
+        reset_peak_rss()
         warm_up(lambda: engine.infer(feeds), warmup)
-        job.peak = _vm_hwm_mb()
+        job.peak = peak_rss_mb()
     except Exception as exc:  # e.g. a batch below the profile's minimum: recorded, not fatal
         job.error = _error_text(exc)
 
@@ -548,12 +483,12 @@ def _round(engine: Engine, job: _Job, budget: float | None, per_round: int | Non
     call = lambda: engine.infer(feeds)  # noqa: E731
     try:
         call()  # one untimed call: caches were just used by another engine or batch size
-        _reset_peak()
+        reset_peak_rss()
         job.times.append(time_calls(call, budget, per_round))
     except Exception as exc:  # a backend's runtime failure is this batch size's result
         job.error = _error_text(exc)
         return
-    peak = _vm_hwm_mb()
+    peak = peak_rss_mb()
     if peak is not None:
         job.peak = peak if job.peak is None else max(job.peak, peak)
 
@@ -595,47 +530,8 @@ def _result(engine: Engine, job: _Job, unstable_spread: float) -> BatchResult:
 
 
 def plot(results: Sequence[BenchResult], path: str | os.PathLike) -> Path:
-    """Write a PNG of throughput and p99 latency vs batch size, one line per engine.
+    """Write a PNG of throughput and p99 latency vs batch size, one line per engine
+    (see :func:`enginekit.plot.bench_plot`)."""
+    from enginekit.plot import bench_plot
 
-    matplotlib (the ``test`` extra) is imported here, with its Agg canvas: no display needed.
-    """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise UsageError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from None
-    fig = Figure(figsize=(10, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax_t, ax_l = fig.subplots(1, 2)
-    for r in results:
-        ok = [b for b in r.results if b.latency_ms is not None]
-        if not ok:
-            continue
-        xs = [b.batch for b in ok]
-        low = [b.throughput - min(b.round_throughputs) for b in ok]
-        high = [max(b.round_throughputs) - b.throughput for b in ok]
-        ax_t.errorbar(
-            xs, [b.throughput for b in ok], yerr=[low, high], marker="o", capsize=3, label=r.label
-        )
-        ax_l.plot(xs, [b.latency_ms.p99 for b in ok], marker="o", label=r.label)  # type: ignore[union-attr]
-        for b in ok:
-            if b.split:
-                ax_t.annotate("split", (b.batch, b.throughput), fontsize=7)
-    batches = sorted({b.batch for r in results for b in r.results if b.latency_ms is not None})
-    for ax, ylabel in ((ax_t, "throughput (samples/s)"), (ax_l, "p99 latency (ms)")):
-        ax.set_xscale("log", base=2)
-        if batches:
-            ax.set_xticks(batches, [str(b) for b in batches])
-            ax.minorticks_off()
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        if results:
-            ax.legend(fontsize=8)
-    host = results[0].host.get("cpu", "") if results else ""
-    fig.suptitle(f"enginekit bench — {host}", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(str(path), format="png")
-    return path
+    return bench_plot(results, path)

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 from enginekit import backends as registry
 from enginekit.artifact import write_artifact
 from enginekit.bench import BatchResult, bench_many, max_batch
-from enginekit.compare import Candidate, as_candidate, skip_reason
+from enginekit.candidates import Candidate, as_candidate, skip_reason
 from enginekit.config import BuildConfig, ShapesArg, normalize_shapes
 from enginekit.engine import Engine
 from enginekit.errors import BuildError, EnginekitError, UsageError, VerificationError

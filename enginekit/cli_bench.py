@@ -81,12 +81,17 @@ def _names(text: str) -> list[str]:
 def parse_candidate(tokens: list[str]) -> Any:
     """``NAME [KEY=VALUE ...]`` as a Candidate; keys ``precision``, ``model`` and ``label`` are
     the candidate's own, every other key a backend option (values parsed as JSON when they are)."""
-    from enginekit.compare import Candidate
+    from enginekit.candidates import Candidate
 
     name, *rest = tokens
     fields: dict[str, Any] = {}
     options = {}
     for token in rest:
+        if "=" not in token:
+            raise UsageError(
+                f"--candidate {' '.join(tokens)}: {token!r} is not KEY=VALUE (a positional "
+                "argument such as the model goes before --candidate)"
+            )
         key, value = _parse_option(token)
         if key in ("precision", "model", "label"):
             fields[key] = str(value)
@@ -119,8 +124,8 @@ def _add_candidate(p: Any) -> None:
         action="append",
         nargs="+",
         default=[],
-        metavar="NAME [KEY=VALUE",
-        help="a backend with options, e.g. --candidate onnxruntime optimization_level=disable "
+        metavar="SPEC",
+        help="NAME [KEY=VALUE ...]: a backend with options, e.g. --candidate onnxruntime optimization_level=disable "
         "intra_op_threads=1; keys precision=, model= (an equivalent model variant) and label= "
         "are the candidate's own; repeat for more",
     )

@@ -22,6 +22,7 @@ import numpy as np
 
 from enginekit import __version__, target
 from enginekit import backends as registry
+from enginekit.candidates import Candidate, as_candidate, skip_reason
 from enginekit.config import DEFAULT_TOLERANCE, BuildConfig, Precision, ShapesArg, normalize_shapes
 from enginekit.engine import Engine, to_numpy
 from enginekit.errors import EnginekitError, UsageError
@@ -33,83 +34,6 @@ from enginekit.verify import DEFAULT_TOPK, OutputCheck, check_outputs, verificat
 log = logging.getLogger(__name__)
 
 Feeds = dict[str, np.ndarray]
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One way to build an engine: a backend, its options, a precision, and optionally a model
-    variant (an equivalent model, e.g. simplified or re-exported) to build from instead.
-
-    Verification always holds it to the reference of the main model.
-    """
-
-    backend: str
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    precision: str = "fp32"
-    model: ModelSource | None = None
-    label: str = ""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "options", dict(self.options))
-        try:
-            object.__setattr__(self, "precision", Precision(self.precision).value)
-        except ValueError:
-            raise UsageError(
-                f"candidate {self.backend!r}: precision {self.precision!r} is not one of "
-                f"{', '.join(p.value for p in Precision)}"
-            ) from None
-        if not self.label:
-            object.__setattr__(self, "label", self._default_label())
-
-    def _default_label(self) -> str:
-        extras = [] if self.precision == "fp32" else [self.precision]
-        extras += [f"{k}={v}" for k, v in self.options.items()]
-        if self.model is not None:
-            extras.append(f"model={Path(str(getattr(self.model, 'path', None) or 'variant')).name}")
-        return self.backend + (f"[{', '.join(extras)}]" if extras else "")
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "label": self.label,
-            "backend": self.backend,
-            "precision": self.precision,
-            "options": dict(self.options),
-            "model": None if self.model is None else str(getattr(self.model, "path", self.model)),
-        }
-
-
-def as_candidate(entry: str | Candidate | tuple[Any, ...]) -> Candidate:
-    """A Candidate from a backend name, ``(backend, options)`` or ``(backend, options, precision)``."""
-    if isinstance(entry, Candidate):
-        return entry
-    if isinstance(entry, str):
-        return Candidate(entry)
-    if isinstance(entry, tuple) and 1 <= len(entry) <= 3 and isinstance(entry[0], str):
-        return Candidate(*entry)
-    raise UsageError(
-        f"candidate {entry!r}: expected a backend name, (backend, options[, precision]) or a "
-        "Candidate"
-    )
-
-
-def skip_reason(candidate: Candidate, device: str) -> str | None:
-    """Why ``candidate`` cannot be built here (not registered, not installed, no such device,
-    precision not offered), or None when it can."""
-    name = candidate.backend
-    if name not in registry.names():
-        return (
-            f"no backend named {name!r} is registered (registered: {', '.join(registry.names())})"
-        )
-    avail = registry.availability(name)
-    if not avail.available:
-        return avail.reason or "not available"
-    kind = device.split(":")[0]
-    if not any(d.split(":")[0] == kind for d in avail.devices):
-        return f"no {device!r} device (it has: {', '.join(avail.devices) or 'none'})"
-    offered = tuple(getattr(registry.get(name), "PRECISIONS", ("fp32",)))
-    if candidate.precision not in offered:
-        return f"precision {candidate.precision} not offered (it builds {', '.join(offered)})"
-    return None
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -269,6 +193,14 @@ def _as_feeds(batch: Any, names: Sequence[str]) -> Feeds:
     if len(names) != 1:
         raise UsageError(f"data: one array given, the model takes {len(names)} inputs")
     return {names[0]: to_numpy(batch, names[0])}
+
+
+def _check_names(cases: Sequence[Feeds], names: Sequence[str]) -> None:
+    for i, case in enumerate(cases):
+        if sorted(case) != sorted(names):
+            raise UsageError(
+                f"data set {i}: inputs {sorted(case)}, the model takes {sorted(names)}"
+            )
 
 
 def _profile_from_cases(cases: Sequence[Feeds]) -> tuple[dict[str, Any], ...]:
@@ -504,6 +436,7 @@ def compare(
             cases, source = [dict(c) for c in gold.inputs], "golden"
         elif data is not None:
             cases, source = _as_cases(data, names), "data"
+            _check_names(cases, names)
         else:
             points = _random_points(loaded, profiles, list(engines.values()))
             specs = loaded.inputs if loaded else _any_engine(engines).inputs

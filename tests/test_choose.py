@@ -10,7 +10,6 @@ from compare_helpers import changed_weight, padded, run_cli, stdout_json, tiny_m
 
 import enginekit as ek
 from enginekit.choose import default_candidates
-from enginekit.compare import Candidate
 
 SHAPES = {"x": [(1, 16), (8, 16), (16, 16)]}
 SHAPES_TEXT = "x:1x16,8x16,16x16"
@@ -30,8 +29,8 @@ def models(tmp_path_factory):
 
 
 def test_auto_picks_the_faster_of_two_verified_candidates(models, tmp_path):
-    slow = Candidate("onnxruntime", model=models["padded"], label="padded")
-    fast = Candidate("onnxruntime", label="plain")
+    slow = ek.Candidate("onnxruntime", model=models["padded"], label="padded")
+    fast = ek.Candidate("onnxruntime", label="plain")
     out = tmp_path / "best.ekit"
     engine = ek.build(
         models["mlp"], backend="auto", shapes=SHAPES, output=out, candidates=[slow, fast], **QUICK
@@ -52,8 +51,8 @@ def test_auto_picks_the_faster_of_two_verified_candidates(models, tmp_path):
 
 
 def test_auto_never_picks_a_candidate_that_fails_verification(models):
-    slow = Candidate("onnxruntime", model=models["padded"], label="padded")
-    wrong = Candidate("onnxruntime", model=models["broken"], label="broken")
+    slow = ek.Candidate("onnxruntime", model=models["padded"], label="padded")
+    wrong = ek.Candidate("onnxruntime", model=models["broken"], label="broken")
     engine = ek.build(
         models["mlp"], backend="auto", shapes=SHAPES, candidates=[wrong, slow], **QUICK
     )
@@ -85,7 +84,7 @@ def test_failed_builds_and_unavailable_candidates_are_recorded_not_fatal(models)
     engine = ek.build(
         models["mlp"], backend="auto", shapes=SHAPES,
         candidates=[("onnxruntime", {"optimization_level": "fastest"}), "no-such-backend",
-                    Candidate("onnxruntime", precision="int8"), "onnxruntime"],
+                    ek.Candidate("onnxruntime", precision="int8"), "onnxruntime"],
         **QUICK,
     )  # fmt: skip
     records = engine.manifest["auto"]["candidates"]
@@ -97,7 +96,7 @@ def test_failed_builds_and_unavailable_candidates_are_recorded_not_fatal(models)
 
 
 def test_no_passing_candidate_is_a_verification_error_with_every_result(models):
-    wrong = Candidate("onnxruntime", model=models["broken"], label="broken")
+    wrong = ek.Candidate("onnxruntime", model=models["broken"], label="broken")
     with pytest.raises(ek.VerificationError, match="broken: failed verification") as info:
         ek.build(models["mlp"], backend="auto", shapes=SHAPES, candidates=[wrong], **QUICK)
     assert info.value.report["auto"]["candidates"][0]["label"] == "broken"

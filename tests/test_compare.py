@@ -18,7 +18,6 @@ from compare_helpers import (
 )
 
 import enginekit as ek
-from enginekit.compare import Candidate
 
 SHAPES = {"x": [(1, 16), (8, 16), (16, 16)]}
 SHAPES_TEXT = "x:1x16,8x16,16x16"
@@ -75,7 +74,7 @@ def test_skipped_backends_alone_do_not_pass_and_require_all_fails_on_a_skip(mlp)
 
 
 def test_a_candidate_that_fails_to_build_is_an_error_not_a_crash(mlp):
-    bad = Candidate("onnxruntime", {"optimization_level": "fastest"})
+    bad = ek.Candidate("onnxruntime", {"optimization_level": "fastest"})
     report = ek.compare(
         mlp, [bad, ("onnxruntime", {"optimization_level": "disable"})], shapes=SHAPES
     )
@@ -136,6 +135,8 @@ def test_user_data_replaces_random_inputs_and_sets_the_build_shapes(mlp):
     report = ek.compare(mlp, ["onnxruntime"], data=data)
     assert report.passed and report.inputs == "data"
     assert [s["x"] for s in report.shapes] == [(2, 16), (5, 16)]
+    with pytest.raises(ek.UsageError, match="the model takes"):
+        ek.compare(mlp, ["onnxruntime"], data={"pixels": data[0]["x"]})
 
 
 def test_report_json_is_strict_json_with_every_entry(mlp, built):
@@ -171,3 +172,5 @@ def test_cli_compare_exit_codes_json_and_golden(mlp, built, tmp_path):
 
     usage = run_cli("compare", mlp, "--golden", golden, "--save-golden", tmp_path / "x.npz")
     assert usage.returncode == 2
+    swallowed = run_cli("compare", "--candidate", "onnxruntime", mlp)
+    assert swallowed.returncode == 2 and "goes before --candidate" in swallowed.stderr
