@@ -39,6 +39,7 @@ class OutputCheck:
         passed: every element within ``atol + rtol * |ref|``, no NaN the reference lacks, and
             the optional cosine / top-1 floors met.
         shape: the reference output's shape.
+        allclose: every element within ``atol + rtol * |ref|`` (the tolerance alone).
         max_abs, max_rel, mean_abs: largest absolute and relative error, mean absolute error
             (``inf`` when an element is NaN on one side only).
         p50_abs, p90_abs, p99_abs: percentiles of the absolute error.
@@ -55,6 +56,7 @@ class OutputCheck:
     name: str
     passed: bool
     shape: tuple[int, ...] = ()
+    allclose: bool = False
     max_abs: float = 0.0
     max_rel: float = 0.0
     mean_abs: float = 0.0
@@ -73,7 +75,11 @@ class OutputCheck:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict; non-finite numbers become null."""
-        out: dict[str, Any] = {"passed": self.passed, "shape": list(self.shape)}
+        out: dict[str, Any] = {
+            "passed": self.passed,
+            "allclose": self.allclose,
+            "shape": list(self.shape),
+        }
         for key in ("max_abs", "max_rel", "mean_abs", "p50_abs", "p90_abs", "p99_abs"):
             out[key] = _num(getattr(self, key))
         out["mismatch"] = self.mismatch
@@ -155,7 +161,7 @@ def check_output(
             name, False, tuple(ref.shape), error=f"shape {got.shape} vs reference {ref.shape}"
         )
     if ref.size == 0:
-        return OutputCheck(name, True, tuple(ref.shape))
+        return OutputCheck(name, True, tuple(ref.shape), allclose=True)
     g = got.astype(np.float64)
     r = ref.astype(np.float64)
     g_nan, r_nan = np.isnan(g), np.isnan(r)
@@ -169,7 +175,7 @@ def check_output(
     within = diff <= bound
     with np.errstate(divide="ignore", invalid="ignore"):  # inf errors make inf/NaN, on purpose
         rel = diff / np.maximum(np.abs(r), np.finfo(np.float32).tiny)
-        p50, p90, p99 = (float(v) for v in np.percentile(diff, [50, 90, 99]))
+        p50, p90, p99 = (float(v) for v in np.percentile(diff, [50, 90, 99], method="nearest"))
     worst = np.unravel_index(int(np.argmax(diff)), diff.shape)
     cosine = _cosine(g, r)
     top1, topk_value, k = _top_agreement(g, r, topk) if got.dtype.kind == "f" else (None,) * 3
@@ -183,11 +189,12 @@ def check_output(
         errors.append(f"cosine similarity {cosine} below {min_cosine}")
     if min_top1 is not None and top1 is not None and top1 < min_top1:
         errors.append(f"top-1 agreement {top1:.4f} below {min_top1}")
-    passed = bool(within.all()) and not errors
+    allclose = bool(within.all())
     return OutputCheck(
         name=name,
-        passed=passed,
+        passed=allclose and not errors,
         shape=tuple(ref.shape),
+        allclose=allclose,
         max_abs=float(diff.max()),
         max_rel=float(rel.max()),
         mean_abs=float(diff.mean()),

@@ -101,7 +101,8 @@ def test_topk_is_left_out_when_there_are_not_more_classes_than_k_and_for_integer
 def test_min_cosine_and_min_top1_are_extra_gates():
     ref = np.array([[1.0, 0.0], [0.0, 1.0]])
     got = np.array([[1.0, 0.0], [1.0, 0.9]])
-    assert not check_output("y", got, ref, 10.0, 0.0, min_cosine=0.99).passed
+    gated = check_output("y", got, ref, 10.0, 0.0, min_cosine=0.99)
+    assert not gated.passed and gated.allclose  # within tolerance, below the cosine floor
     assert not check_output("y", got, ref, 10.0, 0.0, min_top1=0.9).passed
     assert check_output("y", got, ref, 10.0, 0.0).passed
 
