@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import enginekit as ek
 from enginekit import backends as registry
-from enginekit.bench import spread, time_calls
+from enginekit.bench import UNSTABLE_SPREAD, spread, time_calls
 from enginekit.machine import host_info
 
 # -- the model ----------------------------------------------------------------------------------
@@ -272,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, why in skipped.items():
             print(f"{name + ' (enginekit)':<30} skipped: {why}")
             rows.append({"batch": batch, "contender": name, "skipped": why})
+    noisy = [r for r in rows if (r.get("spread") or 0.0) > UNSTABLE_SPREAD]
+    if noisy:
+        print(
+            f"\nnote: {len(noisy)} result(s) vary by more than {UNSTABLE_SPREAD:.0%} between rounds "
+            f"(load {host.get('loadavg')}); re-run on a quiet machine or with a longer --duration"
+        )
     if args.json:
         Path(args.json).write_text(
             json.dumps(
