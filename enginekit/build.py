@@ -114,10 +114,28 @@ def build(
             verification still compares with the model as given.
         outputs: build only the subgraph computing these tensors, for debugging a mismatch.
         **options: backend options (``enginekit backends --json`` lists each backend's).
+            With ``backend="auto"`` also ``candidates``, ``precisions``, ``objective``,
+            ``bench_duration``: see :func:`enginekit.choose.build_auto`.
 
     Raises:
         BuildError, VerificationError, BackendUnavailable, ModelError.
     """
+    if (config.backend if config is not None else backend) == "auto":
+        from enginekit.choose import build_auto
+
+        if (
+            outputs
+            or not simplify
+            or (config is not None and (config.outputs or not config.simplify))
+        ):
+            raise BuildError(
+                "simplify=False and outputs= apply to one backend's build; name the backend "
+                "instead of 'auto'"
+            )
+
+        return build_auto(
+            model, shapes, precision, output, device, verify, atol, rtol, config, **options
+        )
     if config is None:
         config = BuildConfig(
             backend=backend,

@@ -1,4 +1,4 @@
-"""The ``enginekit`` command line: build, run, inspect, backends.
+"""The ``enginekit`` command line: build, run, inspect, backends, compare, bench.
 
 Exit codes: 0 ok, 1 failure (a typed enginekit error), 2 usage error, 3 verification failed.
 Every command that prints a result takes ``--json`` for machines.
@@ -19,11 +19,9 @@ from typing import Any, cast
 
 import numpy as np
 
+from enginekit.errors import UsageError  # bad usage, from here or the library: exit code 2
+
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_VERIFY = 0, 1, 2, 3
-
-
-class UsageError(Exception):
-    """Bad command-line usage (exit code 2)."""
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -74,14 +72,40 @@ def _add_build(sub: Any) -> None:
     )
     _add_pass_flags(p)
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    _add_tensorrt_flags(p)
+    from enginekit.cli_bench import add_auto_flags
+
+    add_auto_flags(p)
     p.set_defaults(func=_cmd_build)
+
+
+def _add_tensorrt_flags(p: argparse.ArgumentParser) -> None:
+    """Shorthands for TensorRT backend options (each is also -O name=value)."""
+    p.add_argument(
+        "--timing-cache",
+        metavar="PATH",
+        help="tensorrt: timing cache file or directory, loaded and saved back (per GPU/version)",
+    )
+    p.add_argument("--workspace", metavar="SIZE", help="tensorrt: workspace limit, e.g. 4GiB")
+
+
+def backend_flag_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Backend options given as their own flags (``--timing-cache``, ``--workspace``)."""
+    flags = {"timing_cache": args.timing_cache, "workspace": args.workspace}
+    return {k: v for k, v in flags.items() if v is not None}
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
     import enginekit as ek
+    from enginekit.cli_bench import auto_requested, cmd_build_auto
 
     options = dict(_parse_option(o) for o in args.option)
+    options.update(backend_flag_options(args))
     shapes = [s for group in args.shapes for s in group]
+    if auto_requested(args) and (args.no_simplify or args.outputs):
+        raise UsageError("--no-simplify and --outputs apply to one backend; name it, not auto")
+    if auto_requested(args):
+        return cmd_build_auto(args, ek.parse_shapes(shapes) if shapes else None, options)
     engine = ek.build(
         args.model,
         backend=args.backend,
@@ -416,10 +440,32 @@ def _add_prepare(sub: Any) -> None:
     add_prepare(sub)
 
 
+# -- compare, bench (enginekit/cli_bench.py) -----------------------------------------------------
+
+
+def _add_compare(sub: Any) -> None:
+    from enginekit.cli_bench import add_compare
+
+    add_compare(sub)
+
+
+def _add_bench(sub: Any) -> None:
+    from enginekit.cli_bench import add_bench
+
+    add_bench(sub)
+
+
 # -- main --------------------------------------------------------------------------------------
 
 #: Subcommand registrars; features add theirs here.
-COMMANDS: list[Callable[[Any], None]] = [_add_build, _add_run, _add_inspect, _add_backends]
+COMMANDS: list[Callable[[Any], None]] = [
+    _add_build,
+    _add_run,
+    _add_inspect,
+    _add_backends,
+    _add_compare,
+    _add_bench,
+]
 COMMANDS += [_add_export, _add_prepare]
 
 

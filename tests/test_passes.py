@@ -367,3 +367,10 @@ def test_build_without_onnxslim_records_why_and_still_builds(monkeypatch, caplog
     assert "pip install onnxslim" in record["error"]
     assert "graph simplification skipped" in caplog.text
     assert engine.manifest["verify"]["passed"]
+
+
+def test_auto_backend_refuses_per_backend_pass_options():
+    with pytest.raises(ek.BuildError, match="name the backend instead of 'auto'"):
+        ek.build(foldable_model(), backend="auto", shapes={"x": (2, 4)}, simplify=False)
+    with pytest.raises(ek.BuildError, match="name the backend instead of 'auto'"):
+        ek.build(foldable_model(), backend="auto", shapes={"x": (2, 4)}, outputs=["h"])
