@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from enginekit.errors import BuildError
 
@@ -75,16 +75,19 @@ class ShapeProfile:
 #: One optimization profile: input name -> the shapes it accepts.
 Profile = Mapping[str, ShapeProfile]
 
-ShapesArg = Union[
-    Mapping[str, Any],
-    Sequence[Mapping[str, Any]],
-    str,
-    Sequence[str],
-    None,
-]
+ShapesArg = Mapping[str, Any] | Sequence[Mapping[str, Any]] | str | Sequence[str] | None
 
 
 def _as_profile(name: str, value: Any) -> ShapeProfile:
+    try:
+        return _as_profile_unnamed(name, value)
+    except BuildError as exc:
+        if f"input {name!r}" in str(exc):
+            raise
+        raise BuildError(f"shapes for input {name!r}: {exc}") from None
+
+
+def _as_profile_unnamed(name: str, value: Any) -> ShapeProfile:
     if isinstance(value, ShapeProfile):
         return value
     if isinstance(value, str):
@@ -121,7 +124,10 @@ def _parse_profile_text(name: str, text: str) -> ShapeProfile:
         return ShapeProfile.fixed(_parse_shape_text(name, parts[0]))
     if len(parts) == 3:
         lo, mid, hi = (_parse_shape_text(name, p) for p in parts)
-        return ShapeProfile(lo, mid, hi)
+        try:
+            return ShapeProfile(lo, mid, hi)
+        except BuildError as exc:
+            raise BuildError(f"shapes for input {name!r}: {exc}") from None
     raise BuildError(
         f"shapes for input {name!r}: {text!r} must be one shape (AxB) or min,opt,max (AxB,CxD,ExF)"
     )
@@ -163,7 +169,7 @@ def normalize_shapes(shapes: ShapesArg) -> tuple[dict[str, ShapeProfile], ...]:
         return parse_shapes(shapes)
     if isinstance(shapes, Mapping):
         return ({str(k): _as_profile(str(k), v) for k, v in shapes.items()},)
-    seq = list(shapes)
+    seq: list[Any] = list(shapes)
     if all(isinstance(s, str) for s in seq):
         return parse_shapes(seq)
     if all(isinstance(s, Mapping) for s in seq):
@@ -185,6 +191,8 @@ class BuildConfig:
         atol, rtol: verification tolerance; None takes the precision's default.
         seed: seed of the random verification inputs.
         options: backend-specific options (each backend documents and validates its own).
+        simplify: simplify the graph before the backend builds it (enginekit.passes.simplify).
+        outputs: build only the subgraph computing these tensors (empty: the model's outputs).
     """
 
     backend: str = "onnxruntime"
@@ -196,8 +204,11 @@ class BuildConfig:
     rtol: float | None = None
     seed: int = 0
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    simplify: bool = True
+    outputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "outputs", tuple(self.outputs))
         try:
             object.__setattr__(self, "precision", Precision(self.precision))
         except ValueError:
@@ -226,6 +237,8 @@ class BuildConfig:
             "rtol": self.rtol,
             "seed": self.seed,
             "options": dict(self.options),
+            "simplify": self.simplify,
+            "outputs": list(self.outputs),
         }
 
     @classmethod

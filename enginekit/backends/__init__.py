@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 _BUILTIN: dict[str, str] = {
     "onnxruntime": "enginekit.backends.onnxruntime",
+    "tensorrt": "enginekit.backends.tensorrt",
     "xla": "enginekit.backends.xla",
 }
 
@@ -116,7 +117,7 @@ def get(name: str) -> Backend:
         if isinstance(backend, str):
             backend = importlib.import_module(backend)
     _loaded[name] = backend
-    return backend  # type: ignore[no-any-return]
+    return backend
 
 
 def availability(name: str) -> Availability:

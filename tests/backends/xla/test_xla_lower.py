@@ -12,7 +12,7 @@ jax = pytest.importorskip("jax", reason="the XLA backend needs jax")
 from conftest import reference  # noqa: E402
 
 import enginekit as ek  # noqa: E402
-from backends.xla import graphs  # noqa: E402
+import xla_graphs as graphs  # noqa: E402
 from enginekit.backends.xla import lower, program  # noqa: E402
 from enginekit.errors import BuildError  # noqa: E402
 

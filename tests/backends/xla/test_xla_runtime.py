@@ -13,7 +13,7 @@ from conftest import reference
 from models import CASES
 
 import enginekit as ek
-from backends.xla import graphs
+import xla_graphs as graphs
 from enginekit.backends.xla.runtime import bucket, pad_rows
 
 
