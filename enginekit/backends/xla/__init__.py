@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 NAME = "xla"
 PROGRAM = "model.stablehlo"
 WEIGHTS = "weights.safetensors"
+PRECISIONS = ("fp32",)
 #: Layout used when the ``layout`` option is not given (measured: benchmarks/xla.py).
 DEFAULT_LAYOUT = "nhwc"
 
@@ -129,10 +130,11 @@ def available() -> Availability:
 
 
 def supported_ops() -> list[str]:
-    """The ONNX ops (default domain) the lowering handles."""
-    _jax()
-    from enginekit.backends.xla.ops import supported_ops as table
-
+    """The ONNX ops (default domain) the lowering handles; empty when jax is not installed."""
+    try:
+        from enginekit.backends.xla.ops import supported_ops as table
+    except ImportError:
+        return []
     return table()
 
 

@@ -9,11 +9,11 @@ import pytest
 
 pytest.importorskip("jax", reason="the XLA backend needs jax")
 
+import xla_graphs as graphs
 from conftest import reference
 from models import CASES
 
 import enginekit as ek
-import xla_graphs as graphs
 from enginekit.backends.xla.runtime import bucket, pad_rows
 
 
@@ -28,34 +28,33 @@ def test_pad_rows_repeats_the_last_row():
     np.testing.assert_array_equal(pad_rows(a, 4), np.vstack([a, a[-1:]]))
 
 
-def test_batches_one_to_max_compile_at_most_log2_max_plus_one_programs(
-    mlp_path, tmp_path, compile_events
-):
+def test_batches_one_to_max_compile_at_most_log2_max_plus_one_programs(mlp_path, tmp_path):
     shapes = {"x": [(1, 16), (8, 16), (16, 16)]}
     ek.build(
         mlp_path, backend="xla", shapes=shapes, output=tmp_path / "m.ekit", xla_flags="ynn-off"
     )
     engine = ek.load(tmp_path / "m.ekit")
-    compile_events.clear()
     x = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
     want = reference(mlp_path, {"x": x})["output"]
-    for b in range(1, 17):
-        np.testing.assert_allclose(engine.infer(x[:b])["output"], want[:b], rtol=1e-4, atol=1e-5)
+    with graphs.counting_compiles() as compiles:
+        for b in range(1, 17):
+            got = engine.infer(x[:b])["output"]
+            np.testing.assert_allclose(got, want[:b], rtol=1e-4, atol=1e-5)
     limit = int(math.log2(16)) + 1
     assert len(engine.programs) == limit
-    assert len(compile_events) == limit
+    assert len(compiles) == limit
 
 
-def test_exact_buckets_compile_one_program_per_batch_size(mlp_path, compile_events):
+def test_exact_buckets_compile_one_program_per_batch_size(mlp_path):
     engine = ek.build(
         mlp_path, backend="xla", shapes={"x": [(1, 16), (4, 16), (8, 16)]}, verify=False,
         buckets="exact", xla_flags="ynn-off",
     )  # fmt: skip
-    compile_events.clear()
-    for b in (1, 2, 3, 3):
-        engine.infer(np.ones((b, 16), np.float32))
+    with graphs.counting_compiles() as compiles:
+        for b in (1, 2, 3, 3):
+            engine.infer(np.ones((b, 16), np.float32))
     assert sorted(engine.programs) == ["1x16", "2x16", "3x16"]
-    assert len(compile_events) == 3
+    assert len(compiles) == 3
 
 
 def test_rows_that_interact_turn_padding_off(tmp_path):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -219,3 +222,22 @@ def batch_mixing() -> onnx.ModelProto:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
     return model(nodes, [x], [y], inits)
+
+
+@contextlib.contextmanager
+def counting_compiles() -> Iterator[list[str]]:
+    """Collects one entry per XLA backend compile made inside the ``with`` block."""
+    import jax
+    from jax._src import monitoring as internal
+
+    seen: list[str] = []
+
+    def listen(event: str, duration: float, **kwargs: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        internal.unregister_event_duration_listener(listen)
