@@ -157,8 +157,8 @@ def _platform(device: str) -> str:
 
 def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     """Lower, export with symbolic dims, measure layouts and XLA options, write the payload."""
+    from enginekit.backends.xla import check, lower, program
     from enginekit.backends.xla import layout as lay
-    from enginekit.backends.xla import lower, program
 
     jax = _jax()
     opts = _parse_options(config.options)
@@ -168,7 +168,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
             "supported (use --backend onnxruntime or tensorrt for fp16/int8)"
         )
     proto = lower.prepare(model.proto)
-    lower.check(proto)
+    check.check(proto)
     has_convs = any(n.op_type in lay.ANCHORS for n in proto.graph.node)
     layouts = [opts.layout] if opts.layout != "auto" else ["nhwc", "nchw"]
     if not has_convs:
@@ -212,7 +212,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "weight_names": list(lowered.weight_names),
         "weight_layouts": list(lowered.weight_layouts),
         "lowering": dict(lowered.stats),
-        "opset": lower.opset_of(proto),
+        "opset": check.opset_of(proto),
         "load_options": {"cache_dir": opts.cache_dir, "precompile": opts.precompile},
     }
     # StableHLO is portable: XLA compiles for the loading host, so no ISA is required here.

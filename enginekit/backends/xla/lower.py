@@ -16,7 +16,6 @@ The walk, in order:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +25,7 @@ import onnx
 from onnx import numpy_helper
 
 from enginekit.backends.xla import layout as lay
+from enginekit.backends.xla.check import LEGACY_BINARY, attributes, check, node_label, opset_of
 from enginekit.errors import BuildError
 
 log = logging.getLogger(__name__)
@@ -34,16 +34,10 @@ log = logging.getLogger(__name__)
 INLINE_LIMIT = 64
 #: A constant-folded result may grow to this many elements, or its inputs' total.
 FOLD_LIMIT = 1 << 16
-_DEFAULT_DOMAINS = ("", "ai.onnx")
-_BINARY_LEGACY = frozenset(
-    {"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Less", "Greater"}
-)
 #: Ops whose opset < 7 forms broadcast in ways channels-last alignment does not model.
-_LEGACY_BROADCAST = _BINARY_LEGACY | {"PRelu"}
+_LEGACY_BROADCAST = LEGACY_BINARY | {"PRelu"}
 #: Ops whose operands are all data: symbolic-dim values among traced ones become traced.
 _MIXING = lay.ELEMENTWISE | {"Concat"}
-#: Attributes old opsets carry that change nothing at inference time.
-_IGNORED_ATTRS = frozenset({"consumed_inputs"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +65,6 @@ class Lowered:
 
 
 # -- graph preparation ------------------------------------------------------------------------
-
-
-def opset_of(proto: onnx.ModelProto) -> int:
-    """The model's default-domain opset."""
-    return next((o.version for o in proto.opset_import if o.domain in _DEFAULT_DOMAINS), 1)
 
 
 def prepare(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -110,104 +99,6 @@ def topological(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
             known.update(n.output)
         pending = [n for n in pending if id(n) not in ready_ids]
     return ordered
-
-
-def attributes(node: onnx.NodeProto) -> dict[str, Any]:
-    """A node's attributes as Python values (strings decoded, tensors as numpy)."""
-    out: dict[str, Any] = {}
-    for attr in node.attribute:
-        if attr.name in _IGNORED_ATTRS:
-            continue
-        if attr.type == onnx.AttributeProto.TENSOR:
-            out[attr.name] = numpy_helper.to_array(attr.t)
-            continue
-        if attr.type == onnx.AttributeProto.SPARSE_TENSOR:
-            out[attr.name] = attr.sparse_tensor
-            continue
-        value = onnx.helper.get_attribute_value(attr)
-        if isinstance(value, bytes):
-            value = value.decode("utf-8")
-        elif isinstance(value, list) and value and isinstance(value[0], bytes):
-            value = [v.decode("utf-8") for v in value]
-        out[attr.name] = value
-    return out
-
-
-def _node_label(node: onnx.NodeProto, index: int) -> str:
-    return f"{node.name or f'#{index}'} ({node.op_type})"
-
-
-def _accepted_attrs(fn: Callable[..., Any]) -> set[str] | None:
-    params = inspect.signature(fn).parameters.values()
-    if any(p.kind == p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params if p.kind != p.VAR_POSITIONAL} - {"channels_last"}
-
-
-def _type_problem(value: onnx.ValueInfoProto) -> str | None:
-    from enginekit.backends.xla.ops.common import UNSUPPORTED_TYPES
-
-    kind = value.type.WhichOneof("value")
-    if kind not in (None, "tensor_type"):
-        return f"a {kind.replace('_type', '')} value; only tensors are supported"
-    elem = value.type.tensor_type.elem_type
-    if kind and elem in UNSUPPORTED_TYPES:
-        name = onnx.TensorProto.DataType.Name(elem)
-        return f"type {name} (string, float8, float4, int4 and int2 tensors are not supported)"
-    return None
-
-
-def problems(proto: onnx.ModelProto) -> list[str]:
-    """Why the lowering cannot take each node it cannot take (empty: it takes them all)."""
-    from enginekit.backends.xla.ops import resolve
-
-    opset = opset_of(proto)
-    found = [
-        f"{kind} {v.name!r}: {_type_problem(v)}"
-        for kind, values in (("input", proto.graph.input), ("output", proto.graph.output))
-        for v in values
-        if _type_problem(v)
-    ]
-    for i, node in enumerate(proto.graph.node):
-        label = _node_label(node, i)
-        if node.domain not in _DEFAULT_DOMAINS:
-            found.append(
-                f"node {label}: op {node.domain}::{node.op_type} (only the default ONNX domain is supported)"
-            )
-            continue
-        fn = resolve(node.op_type, opset)
-        if fn is None:
-            found.append(f"node {label}: op {node.op_type} is not supported")
-            continue
-        if any(
-            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-            for a in node.attribute
-        ):
-            found.append(f"node {label}: subgraph attributes are not supported")
-            continue
-        accepted = _accepted_attrs(fn)
-        legacy = {"broadcast", "axis"} if opset < 7 and node.op_type in _BINARY_LEGACY else set()
-        unknown = sorted(
-            {a.name for a in node.attribute} - _IGNORED_ATTRS - legacy - (accepted or set())
-        )
-        if accepted is not None and unknown:
-            found.append(f"node {label}: attribute(s) {', '.join(unknown)} not supported")
-    return found
-
-
-def check(proto: onnx.ModelProto) -> None:
-    """Refuse, before any tracing or compiling, a model with an op the lowering lacks.
-
-    Raises:
-        BuildError: naming every unsupported op and the node using it.
-    """
-    found = problems(proto)
-    if found:
-        shown = "; ".join(found[:20]) + (f"; and {len(found) - 20} more" if len(found) > 20 else "")
-        raise BuildError(
-            f"the XLA backend cannot lower this model: {shown}. `enginekit backends` lists the "
-            "supported ops; use another backend (e.g. --backend onnxruntime) for this model"
-        )
 
 
 # -- constant folding and weights ---------------------------------------------------------------
@@ -263,7 +154,7 @@ def _prepared_attrs(node: onnx.NodeProto, opset: int) -> dict[str, Any]:
     attrs = attributes(node)
     if node.op_type == "Split" and "split" not in attrs and len(node.input) < 2:
         attrs.setdefault("num_outputs", len(node.output))
-    if opset < 7 and node.op_type in _BINARY_LEGACY:
+    if opset < 7 and node.op_type in LEGACY_BINARY:
         attrs.pop("broadcast", None)
         attrs.pop("axis", None)
     return attrs
@@ -421,13 +312,13 @@ def _run_node(env: Env, node: onnx.NodeProto, index: int, opset: int, nhwc: bool
     from enginekit.backends.xla.ops.common import is_static, to_jax
 
     fn = resolve(node.op_type, opset)
-    label = _node_label(node, index)
+    label = node_label(node, index)
     if fn is None:
         raise BuildError(f"node {label}: op {node.op_type} is not supported")
     try:
         call = _plan_call(env, node, opset, _prepared_attrs(node, opset), nhwc)
         args = call.args
-        if opset < 7 and node.op_type in _BINARY_LEGACY:
+        if opset < 7 and node.op_type in LEGACY_BINARY:
             args = _legacy_broadcast(args, node)
         if node.op_type in _MIXING and not all(a is None or is_static(a) for a in args):
             # Symbolic dims meeting traced data as operands: make them traced values too.

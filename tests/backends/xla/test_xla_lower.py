@@ -13,7 +13,7 @@ import xla_graphs as graphs  # noqa: E402
 from conftest import reference  # noqa: E402
 
 import enginekit as ek  # noqa: E402
-from enginekit.backends.xla import lower, program  # noqa: E402
+from enginekit.backends.xla import check, lower, program  # noqa: E402
 from enginekit.errors import BuildError  # noqa: E402
 
 
@@ -39,13 +39,13 @@ def test_unsupported_op_is_a_build_error_naming_op_and_node_before_compiling(tmp
 def test_op_from_another_domain_is_refused_with_its_domain():
     m = graphs.with_node("Gelu", "ms_gelu", domain="com.microsoft")
     with pytest.raises(BuildError, match=r"ms_gelu.*com\.microsoft::Gelu"):
-        lower.check(m)
+        check.check(m)
 
 
 def test_every_unsupported_node_is_listed_at_once():
     m = graphs.with_node("NonZero", "first")
     m.graph.node.append(__import__("onnx").helper.make_node("Unique", ["y"], ["z"], name="second"))
-    found = lower.problems(m)
+    found = check.problems(m)
     assert any("first" in p and "NonZero" in p for p in found)
     assert any("second" in p and "Unique" in p for p in found)
 

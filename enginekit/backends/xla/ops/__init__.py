@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from enginekit.backends.xla.ops import elementwise as ew
-from enginekit.backends.xla.ops import nn, quant, reduce, tensor
+from enginekit.backends.xla.ops import nn, pool, quant, reduce, tensor
 
 OpFunction = Callable[..., Any]
 Entry = OpFunction | dict[int, OpFunction]
@@ -115,11 +115,11 @@ OPS: dict[str, Entry] = {
     # neural network
     "Conv": nn.Conv,
     "ConvTranspose": nn.ConvTranspose,
-    "MaxPool": nn.MaxPool,
-    "AveragePool": nn.AveragePool,
-    "LpPool": nn.LpPool,
-    "GlobalAveragePool": nn.GlobalAveragePool,
-    "GlobalMaxPool": nn.GlobalMaxPool,
+    "MaxPool": pool.MaxPool,
+    "AveragePool": pool.AveragePool,
+    "LpPool": pool.LpPool,
+    "GlobalAveragePool": pool.GlobalAveragePool,
+    "GlobalMaxPool": pool.GlobalMaxPool,
     "BatchNormalization": nn.BatchNormalization,
     "InstanceNormalization": nn.InstanceNormalization,
     "LayerNormalization": nn.LayerNormalization,

@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import onnx
 
 from enginekit.errors import BuildError
+
+Pads = list[tuple[int, int]]
 
 #: Ends of Slice ranges at or past this are "to the end" (exporters write INT64_MAX or INT32_MAX).
 BIG = 2**31 - 1
@@ -170,4 +171,42 @@ def per_channel(v: Any, rank: int, channels_last: bool) -> Any:
     return xp(v).reshape(v, (-1,) + (1,) * (rank - 2))
 
 
-__all__ = ["BIG", "OpError", "jax", "jnp", "np"]
+def spatial_axes(rank: int, channels_last: bool) -> tuple[int, ...]:
+    """Axes of the spatial dims of a rank-``rank`` activation."""
+    return tuple(range(1, rank - 1)) if channels_last else tuple(range(2, rank))
+
+
+def spatial_dims(x: Any, channels_last: bool) -> tuple[Any, ...]:
+    """The spatial dims of an activation held NCHW (or NHWC when ``channels_last``)."""
+    return tuple(x.shape[1:-1]) if channels_last else tuple(x.shape[2:])
+
+
+def _same_pads(auto_pad: str, size: int, k: int, s: int, d: int) -> tuple[int, int]:
+    if not isinstance(size, int):
+        raise OpError(f"auto_pad={auto_pad} needs static spatial dims, got {size}")
+    out = -(-size // s)
+    total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
+    small, large = total // 2, total - total // 2
+    return (small, large) if auto_pad == "SAME_UPPER" else (large, small)
+
+
+def explicit_pads(
+    auto_pad: str,
+    pads: Sequence[int] | None,
+    spatial: Sequence[Any],
+    kernel: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+) -> Pads:
+    """(begin, end) padding per spatial dim from ONNX's auto_pad / pads attributes."""
+    n = len(spatial)
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        return [
+            _same_pads(auto_pad, spatial[i], kernel[i], strides[i], dilations[i]) for i in range(n)
+        ]
+    if auto_pad == "VALID":
+        return [(0, 0)] * n
+    if auto_pad != "NOTSET":
+        raise OpError(f"auto_pad {auto_pad!r}: expected NOTSET, SAME_UPPER, SAME_LOWER or VALID")
+    flat = list(pads) if pads else [0] * (2 * n)
+    return [(flat[i], flat[i + n]) for i in range(n)]

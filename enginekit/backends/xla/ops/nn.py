@@ -8,50 +8,23 @@ at build time, never per call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from enginekit.backends.xla.ops.common import OpError, axis, channel_axis, per_channel, scalar, xp
-
-Pads = list[tuple[int, int]]
-
-
-def _spatial(x: Any, channels_last: bool) -> tuple[Any, ...]:
-    return tuple(x.shape[1:-1]) if channels_last else tuple(x.shape[2:])
-
-
-def _same_pads(auto_pad: str, size: int, k: int, s: int, d: int) -> tuple[int, int]:
-    if not isinstance(size, int):
-        raise OpError(f"auto_pad={auto_pad} needs static spatial dims, got {size}")
-    out = -(-size // s)
-    total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
-    small, large = total // 2, total - total // 2
-    return (small, large) if auto_pad == "SAME_UPPER" else (large, small)
-
-
-def _explicit_pads(
-    auto_pad: str,
-    pads: Sequence[int] | None,
-    spatial: Sequence[Any],
-    kernel: Sequence[int],
-    strides: Sequence[int],
-    dilations: Sequence[int],
-) -> Pads:
-    n = len(spatial)
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        return [
-            _same_pads(auto_pad, spatial[i], kernel[i], strides[i], dilations[i]) for i in range(n)
-        ]
-    if auto_pad == "VALID":
-        return [(0, 0)] * n
-    if auto_pad != "NOTSET":
-        raise OpError(f"auto_pad {auto_pad!r}: expected NOTSET, SAME_UPPER, SAME_LOWER or VALID")
-    flat = list(pads) if pads else [0] * (2 * n)
-    return [(flat[i], flat[i + n]) for i in range(n)]
+from enginekit.backends.xla.ops.common import (
+    OpError,
+    axis,
+    channel_axis,
+    explicit_pads,
+    per_channel,
+    scalar,
+    spatial_axes,
+    spatial_dims,
+    xp,
+)
 
 
 def _dimension_numbers(rank: int, channels_last: bool) -> jax.lax.ConvDimensionNumbers:
@@ -65,7 +38,7 @@ def _dimension_numbers(rank: int, channels_last: bool) -> jax.lax.ConvDimensionN
     return jax.lax.ConvDimensionNumbers(act, kernel, act)
 
 
-def _kernel_spatial(W: Any, n: int, channels_last: bool) -> tuple[int, ...]:
+def _kernelspatial_dims(W: Any, n: int, channels_last: bool) -> tuple[int, ...]:
     return tuple(W.shape[:n]) if channels_last else tuple(W.shape[2:])
 
 
@@ -83,10 +56,12 @@ def Conv(
     channels_last: bool = False,
 ) -> Any:
     n = X.ndim - 2
-    kernel = _kernel_spatial(W, n, channels_last)
+    kernel = _kernelspatial_dims(W, n, channels_last)
     strides = strides or [1] * n
     dilations = dilations or [1] * n
-    padding = _explicit_pads(auto_pad, pads, _spatial(X, channels_last), kernel, strides, dilations)
+    padding = explicit_pads(
+        auto_pad, pads, spatial_dims(X, channels_last), kernel, strides, dilations
+    )
     y = jax.lax.conv_general_dilated(
         X,
         W,
@@ -118,8 +93,8 @@ def ConvTranspose(
 ) -> Any:
     # W arrives as the equivalent forward-conv kernel (flipped, groups regrouped): layout.py.
     n = X.ndim - 2
-    kernel = _kernel_spatial(W, n, channels_last)
-    spatial = _spatial(X, channels_last)
+    kernel = _kernelspatial_dims(W, n, channels_last)
+    spatial = spatial_dims(X, channels_last)
     strides = strides or [1] * n
     dilations = dilations or [1] * n
     extra = output_padding or [0] * n
@@ -137,7 +112,7 @@ def ConvTranspose(
         else:
             begin_end = [(t - t // 2, t // 2) for t in total]
     else:
-        begin_end = _explicit_pads(auto_pad, pads, spatial, kernel, strides, dilations)
+        begin_end = explicit_pads(auto_pad, pads, spatial, kernel, strides, dilations)
     padding = [
         ((k - 1) * d - lo, (k - 1) * d - hi + e)
         for (lo, hi), k, d, e in zip(begin_end, kernel, dilations, extra)
@@ -155,209 +130,6 @@ def ConvTranspose(
     if B is not None:
         y = y + per_channel(B, y.ndim, channels_last)
     return y
-
-
-# -- pooling --------------------------------------------------------------------------------
-
-
-def _pool_pads(
-    auto_pad: str,
-    pads: Sequence[int] | None,
-    spatial: Sequence[int],
-    kernel: Sequence[int],
-    strides: Sequence[int],
-    dilations: Sequence[int],
-    ceil_mode: int,
-) -> tuple[Pads, list[int]]:
-    """Explicit (begin, end) pads, and the extra end padding ceil_mode's last window needs."""
-    explicit = _explicit_pads(auto_pad, pads, spatial, kernel, strides, dilations)
-    extra = []
-    for (lo, hi), size, k, s, d in zip(explicit, spatial, kernel, strides, dilations):
-        if not isinstance(size, int):
-            raise OpError(f"pooling needs static spatial dims, got {size}")
-        window = (k - 1) * d + 1
-        span = size + lo + hi - window
-        out = span // s + 1
-        if ceil_mode:
-            out = -(-span // s) + 1
-            if (out - 1) * s >= size + lo:  # the last window must start inside the input
-                out -= 1
-        extra.append(max((out - 1) * s + window - (size + lo + hi), 0))
-    return explicit, extra
-
-
-def _window(rank: int, values: Sequence[Any], fill: Any, channels_last: bool) -> tuple[Any, ...]:
-    if channels_last:
-        return (fill, *values, fill)
-    return (fill, fill, *values)
-
-
-def _reduce_window(
-    x: Any,
-    init: Any,
-    op: Any,
-    kernel: Sequence[int],
-    strides: Sequence[int],
-    dilations: Sequence[int],
-    padding: Pads,
-    channels_last: bool,
-) -> Any:
-    rank = x.ndim
-    return jax.lax.reduce_window(
-        x,
-        init,
-        op,
-        _window(rank, kernel, 1, channels_last),
-        _window(rank, strides, 1, channels_last),
-        _window(rank, padding, (0, 0), channels_last),
-        window_dilation=_window(rank, dilations, 1, channels_last),
-    )
-
-
-def _pool_setup(
-    X: Any,
-    auto_pad: str,
-    ceil_mode: int,
-    dilations: list[int] | None,
-    kernel_shape: list[int],
-    pads: list[int] | None,
-    strides: list[int] | None,
-    channels_last: bool,
-) -> tuple[list[int], list[int], Pads, list[int]]:
-    n = X.ndim - 2
-    strides = strides or [1] * n
-    dilations = dilations or [1] * n
-    explicit, extra = _pool_pads(
-        auto_pad, pads, _spatial(X, channels_last), kernel_shape, strides, dilations, ceil_mode
-    )
-    return strides, dilations, explicit, extra
-
-
-def MaxPool(
-    X: Any,
-    auto_pad: str = "NOTSET",
-    ceil_mode: int = 0,
-    dilations: list[int] | None = None,
-    kernel_shape: list[int] | None = None,
-    pads: list[int] | None = None,
-    storage_order: int = 0,
-    strides: list[int] | None = None,
-    *,
-    channels_last: bool = False,
-) -> Any:
-    if kernel_shape is None:
-        raise OpError("MaxPool needs kernel_shape")
-    strides, dilations, explicit, extra = _pool_setup(
-        X, auto_pad, ceil_mode, dilations, kernel_shape, pads, strides, channels_last
-    )
-    padding = [(lo, hi + e) for (lo, hi), e in zip(explicit, extra)]
-    if jnp.issubdtype(X.dtype, jnp.floating):
-        init = jnp.array(-jnp.inf, X.dtype)
-    else:
-        init = jnp.array(jnp.iinfo(X.dtype).min, X.dtype)
-    return _reduce_window(
-        X, init, jax.lax.max, kernel_shape, strides, dilations, padding, channels_last
-    )
-
-
-def _window_counts(
-    X: Any,
-    kernel: list[int],
-    strides: list[int],
-    dilations: list[int],
-    explicit: Pads,
-    extra: list[int],
-    include_pad: bool,
-    channels_last: bool,
-) -> Any:
-    """How many real (or real + explicitly padded) elements each window covers."""
-    spatial = _spatial(X, channels_last)
-    ones = np.ones(spatial, np.float32)
-    if include_pad:
-        ones = np.pad(ones, explicit, constant_values=1)
-        padding = [(0, e) for e in extra]
-    else:
-        padding = [(lo, hi + e) for (lo, hi), e in zip(explicit, extra)]
-    shape = (1, *ones.shape, 1) if channels_last else (1, 1, *ones.shape)
-    counts = _reduce_window(
-        jnp.asarray(ones.reshape(shape)),
-        jnp.array(0, jnp.float32),
-        jax.lax.add,
-        kernel,
-        strides,
-        dilations,
-        padding,
-        channels_last,
-    )
-    return counts
-
-
-def AveragePool(
-    X: Any,
-    auto_pad: str = "NOTSET",
-    ceil_mode: int = 0,
-    count_include_pad: int = 0,
-    dilations: list[int] | None = None,
-    kernel_shape: list[int] | None = None,
-    pads: list[int] | None = None,
-    strides: list[int] | None = None,
-    *,
-    channels_last: bool = False,
-) -> Any:
-    if kernel_shape is None:
-        raise OpError("AveragePool needs kernel_shape")
-    strides, dilations, explicit, extra = _pool_setup(
-        X, auto_pad, ceil_mode, dilations, kernel_shape, pads, strides, channels_last
-    )
-    padding = [(lo, hi + e) for (lo, hi), e in zip(explicit, extra)]
-    zero = jnp.array(0, X.dtype)
-    sums = _reduce_window(
-        X, zero, jax.lax.add, kernel_shape, strides, dilations, padding, channels_last
-    )
-    if not any(lo or hi for lo, hi in padding):
-        return sums / np.prod(kernel_shape).astype(X.dtype)
-    counts = _window_counts(
-        X, kernel_shape, strides, dilations, explicit, extra, bool(count_include_pad), channels_last
-    )
-    return (sums / counts).astype(X.dtype)
-
-
-def LpPool(
-    X: Any,
-    auto_pad: str = "NOTSET",
-    ceil_mode: int = 0,
-    dilations: list[int] | None = None,
-    kernel_shape: list[int] | None = None,
-    p: int = 2,
-    pads: list[int] | None = None,
-    strides: list[int] | None = None,
-    *,
-    channels_last: bool = False,
-) -> Any:
-    if kernel_shape is None:
-        raise OpError("LpPool needs kernel_shape")
-    strides, dilations, explicit, extra = _pool_setup(
-        X, auto_pad, ceil_mode, dilations, kernel_shape, pads, strides, channels_last
-    )
-    padding = [(lo, hi + e) for (lo, hi), e in zip(explicit, extra)]
-    powered = jnp.abs(X) ** p
-    zero = jnp.array(0, X.dtype)
-    sums = _reduce_window(
-        powered, zero, jax.lax.add, kernel_shape, strides, dilations, padding, channels_last
-    )
-    return (sums ** (1.0 / p)).astype(X.dtype)
-
-
-def _spatial_axes(rank: int, channels_last: bool) -> tuple[int, ...]:
-    return tuple(range(1, rank - 1)) if channels_last else tuple(range(2, rank))
-
-
-def GlobalAveragePool(X: Any, *, channels_last: bool = False) -> Any:
-    return jnp.mean(X, axis=_spatial_axes(X.ndim, channels_last), keepdims=True)
-
-
-def GlobalMaxPool(X: Any, *, channels_last: bool = False) -> Any:
-    return jnp.max(X, axis=_spatial_axes(X.ndim, channels_last), keepdims=True)
 
 
 # -- normalization --------------------------------------------------------------------------
@@ -392,7 +164,7 @@ def InstanceNormalization(
     input: Any, scale: Any, B: Any, epsilon: float = 1e-5, *, channels_last: bool = False
 ) -> Any:
     rank = input.ndim
-    reduce_axes = _spatial_axes(rank, channels_last)
+    reduce_axes = spatial_axes(rank, channels_last)
     mean = jnp.mean(input, axis=reduce_axes, keepdims=True)
     var = jnp.mean(jnp.square(input - mean), axis=reduce_axes, keepdims=True)
     normalized = (input - mean) * jax.lax.rsqrt(var + epsilon)
