@@ -396,6 +396,7 @@ def _profiles_text(profiles: list[dict[str, Any]]) -> str:
 def _add_backends(sub: Any) -> None:
     p = sub.add_parser("backends", help="list backends: installed, versions, devices, why not")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--ops", action="store_true", help="also list each backend's supported ONNX ops")
     p.set_defaults(func=_cmd_backends)
 
 
@@ -421,8 +422,18 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             )
         else:
             lines.append(f"{r['name']:<12} {'unavailable':<14} {r['reason']}")
+        if getattr(args, "ops", False) and r.get("supported_ops"):
+            lines.append(_ops_text(r["supported_ops"]))
     _emit(args, rows, "\n".join(lines))
     return EXIT_OK
+
+
+def _ops_text(ops: list[str], width: int = 100) -> str:
+    """An op list wrapped and indented under its backend's line."""
+    import textwrap
+
+    body = textwrap.fill(", ".join(ops), width=width, initial_indent="  ", subsequent_indent="  ")
+    return f"  {len(ops)} ONNX ops:\n{body}"
 
 
 # -- export and prepare (enginekit/cli_export.py holds their work) ---------------------------

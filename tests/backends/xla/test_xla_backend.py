@@ -201,3 +201,15 @@ def test_inspect_reports_the_optimized_programs_fusions(cnn_artifact):
     assert ir["stablehlo_ops"]["convolution"] == 2
     assert ir["shapes"] == {"x": [4, 3, 16, 16]}
     assert info["layout"] == "nhwc"
+
+
+def test_cli_backends_ops_lists_the_xla_op_table():
+    env = {**os.environ, "PYTHONPATH": str(Path(ek.__file__).parent.parent)}
+    done = subprocess.run(
+        [sys.executable, "-m", "enginekit.cli", "backends", "--ops"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    section = done.stdout.split("\nxla ", 1)[1]
+    assert f"{len(xla.supported_ops())} ONNX ops" in section
+    assert "ConvTranspose" in section and "LayerNormalization" in section
