@@ -81,6 +81,7 @@ FRESH = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_artifact_loads_and_runs_in_a_fresh_process(cnn_artifact, onnx_model, tmp_path):
     x = CASES["cnn"].feeds(3, seed=7)["x"]
     np.save(tmp_path / "x.npy", x)
@@ -100,6 +101,7 @@ def test_artifact_loads_and_runs_in_a_fresh_process(cnn_artifact, onnx_model, tm
     )
 
 
+@pytest.mark.slow
 def test_persistent_compilation_cache_fills_in_a_fresh_process(mlp_path, tmp_path):
     cache = tmp_path / "cache"
     shapes = {"x": [(1, 16), (4, 16), (4, 16)]}

@@ -106,6 +106,7 @@ def test_weights_are_arguments_not_program_constants():
     assert max(sizes) <= lower.INLINE_LIMIT
 
 
+@pytest.mark.slow
 def test_opset9_and_opset20_versions_of_a_cnn_give_the_same_results(tmp_path):
     x = np.random.default_rng(2).standard_normal((3, 3, 8, 8)).astype(np.float32)
     outputs = []

@@ -65,6 +65,7 @@ def test_rows_that_interact_turn_padding_off(tmp_path):
     np.testing.assert_allclose(engine.infer(x)["y"], x - x.mean(0, keepdims=True), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sequence_lengths_compile_on_demand_and_are_never_padded(onnx_model, tmp_path):
     path = onnx_model("transformer")
     spec = CASES["transformer"]
