@@ -51,7 +51,8 @@ class Lowered:
         weight_layouts: layout tag of each weight.
         inputs, outputs: ONNX names of the graph inputs and outputs, in order.
         layout: ``"nhwc"`` or ``"nchw"``.
-        stats: counts for the manifest: folded nodes, weights, layout conversions...
+        stats: counts for the manifest: folded nodes, weights, ...; ``layout_conversions``
+            (transposes the program makes between layouts) is filled in when ``fn`` is traced.
     """
 
     fn: Callable[[tuple[Any, ...], tuple[Any, ...]], tuple[Any, ...]]
@@ -242,7 +243,10 @@ def _plan_call(
     """Fetch the node's inputs in the layouts the op will be called with."""
     op = node.op_type
     names = list(node.input)
-    onnx_args = lambda: [env.get(n, lay.ONNX) if n else None for n in names]  # noqa: E731
+
+    def onnx_args() -> list[Any]:
+        return [env.get(n, lay.ONNX) if n else None for n in names]
+
     if not names or not names[0]:
         return _Call(onnx_args(), attrs, lay.ONNX)
     first_tag = env.layout(names[0])
@@ -365,7 +369,7 @@ def lower(
     used = {i for n in live for i in n.input if i in consts} | {o for o in outputs if o in consts}
     weight_names = tuple(sorted(n for n in used if consts[n].size > inline_limit))
     statics = {n: consts[n] for n in used if n not in weight_names}
-    tags = tuple(_weight_tag(name, live, opset, nhwc) for name in weight_names)
+    tags = tuple(_weight_tag(name, live, outputs, nhwc) for name in weight_names)
     weights = tuple(
         np.ascontiguousarray(lay.to_layout(consts[n], t)) for n, t in zip(weight_names, tags)
     )
@@ -404,9 +408,9 @@ def _concrete(value: Any) -> Any:
     return to_jax(value)
 
 
-def _weight_tag(name: str, live: list[onnx.NodeProto], opset: int, nhwc: bool) -> str:
+def _weight_tag(name: str, live: list[onnx.NodeProto], outputs: tuple[str, ...], nhwc: bool) -> str:
     """The layout every consumer of weight ``name`` wants, or ONNX when they disagree."""
-    wanted = set()
+    wanted = {lay.ONNX} if name in outputs else set()
     for node in live:
         for i, n in enumerate(node.input):
             if n != name:
