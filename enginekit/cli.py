@@ -1,6 +1,8 @@
-"""The ``enginekit`` command line: build, run, inspect, backends.
+"""The ``enginekit`` command line: build, run, inspect, backends, validate, cache, export-triton.
 
-Exit codes: 0 ok, 1 failure (a typed enginekit error), 2 usage error, 3 verification failed.
+Exit codes: 0 ok, 1 failure (a typed enginekit error), 2 usage error (with ``build -c``: an
+invalid build file or baseline), 3 verification failed (with ``build -c``: a gate failed —
+accuracy, top-1 agreement, throughput regression — or an engine failed verification).
 Every command that prints a result takes ``--json`` for machines.
 """
 
@@ -45,7 +47,7 @@ def _parse_option(text: str) -> tuple[str, Any]:
 
 def _add_build(sub: Any) -> None:
     p = sub.add_parser("build", help="build an engine artifact from an ONNX model")
-    p.add_argument("model", help="ONNX model file")
+    p.add_argument("model", nargs="?", help="ONNX model file (not with -c)")
     p.add_argument("--backend", default="onnxruntime", help="backend name (default onnxruntime)")
     p.add_argument(
         "--shapes",
@@ -59,7 +61,10 @@ def _add_build(sub: Any) -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "int8"])
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument(
-        "-o", "--output", required=True, help="artifact path (.ekit, or dir/ for a directory)"
+        "-o",
+        "--output",
+        "--out",
+        help="artifact path (.ekit, or dir/ for a directory); with -c the output folder",
     )
     p.add_argument("--no-verify", action="store_true", help="skip build-time verification")
     p.add_argument("--atol", type=float, help="verification absolute tolerance")
@@ -73,11 +78,21 @@ def _add_build(sub: Any) -> None:
         help="backend option (value parsed as JSON when it is JSON); see `enginekit backends --json`",
     )
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    from enginekit.pipeline.cli import add_build_flags
+
+    add_build_flags(p)
     p.set_defaults(func=_cmd_build)
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
     import enginekit as ek
+
+    if args.config:
+        from enginekit.pipeline.cli import cmd_build_config
+
+        return cmd_build_config(args)
+    if not args.model or not args.output:
+        raise UsageError("build needs a model and -o OUTPUT (or -c enginekit.toml)")
 
     options = dict(_parse_option(o) for o in args.option)
     shapes = [s for group in args.shapes for s in group]
@@ -373,10 +388,27 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- validate, cache, export-triton (enginekit/pipeline/cli.py) ----------------------------------
+
+
+def _add_pipeline(sub: Any) -> None:
+    from enginekit.pipeline.cli import add_cache, add_export_triton, add_validate
+
+    add_validate(sub)
+    add_cache(sub)
+    add_export_triton(sub)
+
+
 # -- main --------------------------------------------------------------------------------------
 
 #: Subcommand registrars; features add theirs here.
-COMMANDS: list[Callable[[Any], None]] = [_add_build, _add_run, _add_inspect, _add_backends]
+COMMANDS: list[Callable[[Any], None]] = [
+    _add_build,
+    _add_run,
+    _add_inspect,
+    _add_backends,
+    _add_pipeline,
+]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -386,7 +418,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="enginekit",
         description="Turn trained models into fast, verified inference engines.",
-        epilog="exit codes: 0 ok, 1 failure, 2 usage error, 3 verification failed",
+        epilog="exit codes: 0 ok, 1 failure, 2 usage error (or invalid build file), 3 "
+        "verification or a build -c gate failed",
     )
     p.add_argument("--version", action="version", version=f"enginekit {enginekit.__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")

@@ -1,0 +1,704 @@
+"""The build file (``enginekit.toml``): TOML -> validated :class:`PipelineConfig` whose matrix
+entries are the same :class:`enginekit.BuildConfig` the Python API and ``enginekit build`` use.
+
+One description (:data:`SPEC`) drives the checks and the JSON Schema (:func:`json_schema`).
+Every problem is reported with its key path and line (``enginekit.toml:12: engine[1].precision:
+...``); :func:`load` collects all of them before raising :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from enginekit.config import BuildConfig, Precision, ShapeProfile, normalize_shapes
+from enginekit.errors import EnginekitError
+from enginekit.pipeline.fields import (
+    ArrayOfTables,
+    Bool,
+    Issue,
+    Key,
+    ListOf,
+    Node,
+    Num,
+    OneOrList,
+    OpenTable,
+    Str,
+    Table,
+    _kind,
+)
+from enginekit.pipeline.locate import format_path, key_lines, line_of
+from enginekit.pipeline.locate import Path as KeyPath
+
+PRECISIONS = tuple(p.value for p in Precision)
+CALIBRATION_METHODS = ("entropy", "percentile", "minmax")
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
+ENTRY_POINT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+_ONE_SHAPE = r"(?:scalar|\d+(?:x\d+)*)"
+SHAPE_PATTERN = rf"{_ONE_SHAPE}(?:,{_ONE_SHAPE},{_ONE_SHAPE})?"
+
+
+class ConfigError(EnginekitError):
+    """The build file is invalid; ``issues`` holds every problem with its key path and line."""
+
+    def __init__(self, path: Path, issues: list[Located]) -> None:
+        self.path = path
+        self.issues = issues
+        lines = "\n".join(i.format(path) for i in issues)
+        super().__init__(f"{path}: {len(issues)} problem(s):\n{lines}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+    """An issue with its line in the file (None when the key could not be placed)."""
+
+    path: KeyPath
+    line: int | None
+    message: str
+
+    def format(self, file: Path) -> str:
+        where = f"{file}:{self.line}" if self.line else str(file)
+        return f"{where}: {format_path(self.path)}: {self.message}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": format_path(self.path), "line": self.line, "message": self.message}
+
+
+# -- the spec ------------------------------------------------------------------------------------
+
+
+class ShapeSpec(Node):
+    """One input's shapes: ``"8x16"``, ``"1x16,8x16,64x16"``, ``["1x16", "8x16", "64x16"]``,
+    ``[8, 16]`` or ``[[1, 16], [8, 16], [64, 16]]``; checks to a ShapeProfile through
+    :func:`enginekit.config.normalize_shapes`."""
+
+    doc = (
+        "shapes of one input: one shape (fixed) or three (min, opt, max); as text 'AxB' / "
+        "'AxB,CxD,ExF', an array of shape strings, an array of dims, or three arrays of dims"
+    )
+
+    def check(self, value: Any, path: KeyPath, issues: list[Issue]) -> Any:
+        name = str(path[-1])
+        arg: Any = value
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            if len(value) not in (1, 3):
+                issues.append(
+                    Issue(path, f"give one shape or three (min, opt, max), got {len(value)}")
+                )
+                return None
+            arg = ",".join(value)
+        elif not isinstance(value, (str, list)):
+            issues.append(Issue(path, f"expected a shape string or an array, got {_kind(value)}"))
+            return None
+        try:
+            return normalize_shapes({name: arg})[0][name]
+        except EnginekitError as exc:
+            issues.append(Issue(path, _strip_input(str(exc), name)))
+        except (TypeError, ValueError):
+            issues.append(Issue(path, f"{value!r} is not a shape or [min, opt, max] shapes"))
+        return None
+
+    def schema(self) -> dict[str, Any]:
+        text = {"type": "string", "pattern": f"^{SHAPE_PATTERN}$"}
+        dims = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+        return {
+            "description": self.doc,
+            "anyOf": [
+                text,
+                {"type": "array", "items": text, "minItems": 1, "maxItems": 3},
+                dims,
+                {"type": "array", "items": dims, "minItems": 3, "maxItems": 3},
+            ],
+        }
+
+
+def _strip_input(message: str, name: str) -> str:
+    for prefix in (f"shapes for input {name!r}: ", "shape profile "):
+        if message.startswith(prefix):
+            return message[len(prefix) :] if prefix.startswith("shapes") else message
+    return message
+
+
+_PROFILE = Table(values=ShapeSpec(), doc="one optimization profile: input name -> its shapes")
+
+
+class Shapes(Node):
+    """``[shapes]`` (one profile) or ``[[shapes]]`` (several optimization profiles)."""
+
+    doc = (
+        "input shapes: [shapes] maps input name -> shapes (one optimization profile); "
+        "[[shapes]] tables give several profiles"
+    )
+
+    def check(self, value: Any, path: KeyPath, issues: list[Issue]) -> Any:
+        if isinstance(value, dict):
+            return [_PROFILE.check(value, path, issues)]
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            return [_PROFILE.check(v, (*path, i), issues) for i, v in enumerate(value)]
+        issues.append(Issue(path, f"expected [shapes] or [[shapes]] tables, got {_kind(value)}"))
+        return None
+
+    def schema(self) -> dict[str, Any]:
+        profile = _PROFILE.schema()
+        return {
+            "description": self.doc,
+            "anyOf": [profile, {"type": "array", "items": profile, "minItems": 1}],
+        }
+
+
+class PerPrecision(Node):
+    """A limit for every precision (a number) or per precision (``{ fp32 = 1e-4, int8 = 0.05
+    }``, ``default`` for the rest); checks to a dict precision|"default" -> number."""
+
+    def __init__(self, value: Num, doc: str) -> None:
+        self.value, self.doc = value, doc
+        self.table = Table(values=value, key_names=(*PRECISIONS, "default"))
+
+    def check(self, value: Any, path: KeyPath, issues: list[Issue]) -> Any:
+        if isinstance(value, dict):
+            out = self.table.check(value, path, issues)
+            return None if out is None or None in out.values() else out
+        checked = self.value.check(value, path, issues)
+        return None if checked is None else {"default": checked}
+
+    def schema(self) -> dict[str, Any]:
+        return {"description": self.doc, "anyOf": [self.value.schema(), self.table.schema()]}
+
+
+_FILES = OneOrList(Str(), doc="")
+
+SPEC = Table(
+    {
+        "model": Key(
+            Table(
+                {
+                    "source": Key(
+                        Str(
+                            "an ONNX file (relative to this file), or an exporter entry "
+                            "'pkg.module:make_model' whose function returns (model, "
+                            "example_inputs), exported through enginekit.export"
+                        ),
+                        required=True,
+                    ),
+                    "name": Key(
+                        Str(
+                            "artifact name prefix: <name>-<backend>-<precision>.ekit (default: "
+                            "the ONNX file's stem, or the exporter module's last part)",
+                            pattern=NAME_PATTERN,
+                            hint="letters, digits, '_', '.', '-'",
+                        )
+                    ),
+                    "export": Key(
+                        OpenTable(
+                            "exporter entries only: keyword options of enginekit.export, e.g. "
+                            "{ dynamic_batch = true, opset = 20 }"
+                        )
+                    ),
+                    "python_path": Key(
+                        ListOf(
+                            Str(),
+                            doc="exporter entries only: folders (relative to this file) put "
+                            "first on sys.path to import the entry; default: this file's folder",
+                        )
+                    ),
+                },
+                doc="the model to build engines from",
+            ),
+            required=True,
+        ),
+        "shapes": Key(Shapes()),
+        "engine": Key(
+            ArrayOfTables(
+                Table(
+                    {
+                        "backend": Key(
+                            Str("registered backend name (enginekit backends lists them)"),
+                            required=True,
+                        ),
+                        "precision": Key(
+                            OneOrList(Str(choices=PRECISIONS), doc="precision(s): one entry each"),
+                            default="fp32",
+                        ),
+                        "layout": Key(
+                            OneOrList(
+                                Str(), doc="layout(s) (backend option 'layout'): one entry each"
+                            )
+                        ),
+                        "variant": Key(
+                            Str(
+                                "name part that tells entries of one backend apart: "
+                                "<name>-<backend>-<variant>-<precision>.ekit",
+                                pattern=NAME_PATTERN,
+                                hint="letters, digits, '_', '.', '-'",
+                            )
+                        ),
+                        "device": Key(Str("cpu, cuda or cuda:N"), default="cpu"),
+                        "options": Key(OpenTable("backend options (enginekit backends --json)")),
+                        "verify": Key(
+                            Bool("verify against ONNX Runtime CPU at build time"), default=True
+                        ),
+                        "atol": Key(Num("verification absolute tolerance", minimum=0)),
+                        "rtol": Key(Num("verification relative tolerance", minimum=0)),
+                        "seed": Key(Num("seed of the verification inputs", integer=True), default=0),
+                    },
+                    doc="one matrix row: a backend with its precisions and layouts",
+                ),
+                doc="engines to build: every [[engine]] x precision x layout is one artifact",
+            ),
+            required=True,
+        ),
+        "calibration": Key(
+            Table(
+                {
+                    "data": Key(
+                        OneOrList(
+                            Str(),
+                            doc="int8 calibration data: .npy/.npz files, folders or globs "
+                            "(relative to this file)",
+                        )
+                    ),
+                    "method": Key(
+                        Str("calibration method", choices=CALIBRATION_METHODS), default="entropy"
+                    ),
+                    "table": Key(Str("a calibration table JSON (enginekit calibrate) instead of data")),
+                    "verify_data": Key(
+                        OneOrList(Str(), doc="data to verify int8 engines on (default: held-out calibration samples)")
+                    ),
+                },
+                doc="how int8 entries are calibrated",
+            )
+        ),
+        "gates": Key(
+            Table(
+                {
+                    "max_abs_error": Key(
+                        PerPrecision(
+                            Num(minimum=0),
+                            "largest absolute error vs the reference, per precision",
+                        )
+                    ),
+                    "min_top1_agreement": Key(
+                        PerPrecision(
+                            Num(minimum=0, maximum=1),
+                            "lowest top-1 agreement with the reference (0..1), per precision",
+                        )
+                    ),
+                    "max_throughput_regression": Key(
+                        Num(
+                            "largest throughput loss vs the baseline report, as a fraction "
+                            "(0.10 = 10% slower)",
+                            minimum=0,
+                            maximum=1,
+                        )
+                    ),
+                },
+                doc="what fails the build (exit code 3)",
+            )
+        ),
+        "bench": Key(
+            Table(
+                {
+                    "enabled": Key(Bool("benchmark every entry"), default=True),
+                    "batch_sizes": Key(
+                        ListOf(
+                            Num(integer=True, minimum=1),
+                            doc="batch sizes (default: the profile's min, opt, max batch)",
+                            min_items=1,
+                        )
+                    ),
+                    "duration": Key(
+                        Num("timed seconds per batch size", minimum=0, exclusive_minimum=True),
+                        default=0.5,
+                    ),
+                    "rounds": Key(Num("timed rounds", integer=True, minimum=1), default=3),
+                    "warmup": Key(Num("untimed seconds per batch size", minimum=0), default=0.1),
+                },
+                doc="throughput measurement of every entry",
+            )
+        ),
+    },
+    doc="enginekit build file (enginekit build -c enginekit.toml)",
+)
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of the build file, generated from :data:`SPEC` (for editors)."""
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://enginekit.dev/schemas/enginekit.schema.json",
+        "title": "enginekit.toml",
+        **SPEC.schema(),
+    }
+
+
+# -- the validated config ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Where the model comes from.
+
+    Attributes:
+        source: as written in the file.
+        path: the ONNX file (None for an exporter entry).
+        entry: ``pkg.module:function`` (None for an ONNX file).
+        name: artifact name prefix.
+        export_options: keyword options for enginekit.export.
+        python_path: folders put first on sys.path to import the entry.
+    """
+
+    source: str
+    path: Path | None
+    entry: str | None
+    name: str
+    export_options: Mapping[str, Any]
+    python_path: tuple[Path, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One matrix entry: one artifact ``<id>.ekit``."""
+
+    id: str
+    index: int
+    backend: str
+    precision: str
+    layout: str | None
+    variant: str | None
+    config: BuildConfig
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "engine": self.index,
+            "backend": self.backend,
+            "precision": self.precision,
+            "layout": self.layout,
+            "variant": self.variant,
+            "config": self.config.to_json(),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationSpec:
+    """int8 calibration: data files (resolved) or a table, and the method."""
+
+    data: tuple[Path, ...]
+    method: str
+    table: Path | None
+    verify_data: tuple[Path, ...]
+    single_source: bool  # data is one folder or file that enginekit reads itself
+
+
+@dataclasses.dataclass(frozen=True)
+class Gates:
+    """Limits: per precision (``"default"`` for the rest) and the throughput regression."""
+
+    max_abs_error: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    min_top1_agreement: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    max_throughput_regression: float | None = None
+
+    def limit(self, gate: str, precision: str) -> float | None:
+        table: Mapping[str, float] = getattr(self, gate)
+        return table.get(precision, table.get("default"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_abs_error": dict(self.max_abs_error),
+            "min_top1_agreement": dict(self.min_top1_agreement),
+            "max_throughput_regression": self.max_throughput_regression,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSpec:
+    """How entries are benchmarked."""
+
+    enabled: bool = True
+    batch_sizes: tuple[int, ...] | None = None
+    duration: float = 0.5
+    rounds: int = 3
+    warmup: float = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """A validated build file."""
+
+    path: Path
+    sha256: str
+    model: ModelSpec
+    profiles: tuple[dict[str, ShapeProfile], ...]
+    entries: tuple[Entry, ...]
+    calibration: CalibrationSpec | None
+    gates: Gates
+    bench: BenchSpec
+    warnings: tuple[Located, ...] = ()
+
+    @property
+    def root(self) -> Path:
+        """The folder relative paths in the file are resolved against."""
+        return self.path.parent
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+class _Collector:
+    def __init__(self, text: str) -> None:
+        self.lines = key_lines(text)
+        self.errors: list[Located] = []
+        self.warnings: list[Located] = []
+
+    def error(self, path: KeyPath, message: str) -> None:
+        self.errors.append(Located(path, line_of(self.lines, path), message))
+
+    def warn(self, path: KeyPath, message: str) -> None:
+        self.warnings.append(Located(path, line_of(self.lines, path), message))
+
+
+def load(path: str | os.PathLike, strict: bool = False) -> PipelineConfig:
+    """Read and validate a build file.
+
+    Args:
+        path: the TOML file.
+        strict: treat warnings (an unregistered backend, a gate no entry uses) as errors.
+
+    Raises:
+        ConfigError: every problem, each with its key path and line.
+    """
+    file = Path(path)
+    try:
+        raw_bytes = file.read_bytes()
+    except OSError as exc:
+        raise ConfigError(file, [Located((), None, f"cannot read the build file: {exc}")]) from None
+    text = raw_bytes.decode("utf-8", errors="replace")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        line = _decode_error_line(str(exc))
+        raise ConfigError(file, [Located((), line, f"not valid TOML: {exc}")]) from None
+    c = _Collector(text)
+    issues: list[Issue] = []
+    checked = SPEC.check(data, (), issues)
+    for issue in issues:
+        c.error(issue.path, issue.message)
+    cfg = _build(file, hashlib.sha256(raw_bytes).hexdigest(), checked or {}, c)
+    if strict:
+        c.errors.extend(c.warnings)
+        c.warnings = []
+    if c.errors or cfg is None:
+        raise ConfigError(file, sorted(c.errors, key=lambda i: (i.line or 0, i.path.__repr__())))
+    return dataclasses.replace(cfg, warnings=tuple(c.warnings))
+
+
+def _decode_error_line(message: str) -> int | None:
+    m = re.search(r"line (\d+)", message)
+    return int(m.group(1)) if m else None
+
+
+def _build(file: Path, digest: str, data: dict[str, Any], c: _Collector) -> PipelineConfig | None:
+    root = file.parent
+    model = _model(root, data.get("model"), c)
+    profiles = _profiles(data.get("shapes"), c)
+    calibration = _calibration(root, data.get("calibration"), c)
+    if model is not None and model.path is not None:
+        from enginekit.pipeline.checks import check_shapes
+
+        check_shapes(model.path, profiles, c)
+    entries = _entries(data.get("engine") or [], profiles, calibration, model, c)
+    gates = _gates(data.get("gates") or {}, entries, c)
+    bench = _bench(data.get("bench") or {})
+    if model is None or c.errors:
+        return None
+    return PipelineConfig(file, digest, model, profiles, entries, calibration, gates, bench)
+
+
+def _model(root: Path, table: dict[str, Any] | None, c: _Collector) -> ModelSpec | None:
+    if not table or table.get("source") is None:
+        return None
+    source = table["source"]
+    export = dict(table.get("export") or {})
+    python_path = tuple(root / p for p in (table.get("python_path") or ["."]))
+    candidate = root / source
+    if ENTRY_POINT.fullmatch(source) and not candidate.exists():
+        module, _, function = source.partition(":")
+        from enginekit.pipeline.source import find_module
+
+        problem = find_module(module, python_path)
+        if problem:
+            c.error(("model", "source"), problem)
+        name = table.get("name") or module.rpartition(".")[2]
+        return ModelSpec(source, None, source, name, export, python_path)
+    if not candidate.is_file():
+        what = "is a folder, not an ONNX file" if candidate.is_dir() else "does not exist"
+        c.error(
+            ("model", "source"),
+            f"{candidate} {what}; give an ONNX file relative to {root} or an exporter entry "
+            "'pkg.module:make_model'",
+        )
+        return None
+    if export:
+        c.warn(("model", "export"), "export options apply to exporter entries only; ignored")
+    name = table.get("name") or candidate.stem
+    return ModelSpec(source, Path(os.path.normpath(candidate)), None, name, {}, python_path)
+
+
+def _profiles(value: Any, c: _Collector) -> tuple[dict[str, ShapeProfile], ...]:
+    """The profiles, without the inputs whose shapes were invalid (already reported)."""
+    if value is None:
+        return ()
+    profiles = tuple({k: v for k, v in (p or {}).items() if v is not None} for p in value)
+    first = set(profiles[0]) if profiles else set()
+    for i, p in enumerate(value[1:], start=1):
+        if p is not None and set(p) != set(value[0] or ()):
+            c.error(
+                ("shapes", i),
+                f"profile {i} covers inputs {sorted(p)}, profile 0 covers {sorted(first)}; every "
+                "profile must cover the same inputs",
+            )
+    return profiles
+
+
+def _files(root: Path, patterns: list[str], key: KeyPath, c: _Collector) -> tuple[Path, ...]:
+    found: list[Path] = []
+    for i, pattern in enumerate(patterns):
+        where = (*key, i) if len(patterns) > 1 else key
+        if glob.has_magic(pattern):
+            matches = sorted(Path(p) for p in glob.glob(str(root / pattern), recursive=True))
+            matches = [m for m in matches if m.is_file()]
+            if not matches:
+                c.error(where, f"{pattern!r} matches no file (looked relative to {root})")
+            found.extend(matches)
+        elif (root / pattern).exists():
+            found.append(Path(os.path.normpath(root / pattern)))
+        else:
+            c.error(where, f"{root / pattern} does not exist")
+    return tuple(found)
+
+
+def _calibration(root: Path, table: dict[str, Any] | None, c: _Collector) -> CalibrationSpec | None:
+    if table is None:
+        return None
+    key = ("calibration",)
+    data_patterns = table.get("data") or []
+    data = _files(root, data_patterns, (*key, "data"), c) if data_patterns else ()
+    table_path = None
+    if table.get("table"):
+        table_path = root / table["table"]
+        if not table_path.is_file():
+            c.error((*key, "table"), f"{table_path} does not exist")
+    if data_patterns and table.get("table"):
+        c.error(key, "give data (to calibrate) or table (already calibrated), not both")
+    if not data_patterns and not table.get("table"):
+        c.error(key, "give data = <.npy/.npz files, folders or globs> or table = <calib.json>")
+    verify = table.get("verify_data") or []
+    verify_files = _files(root, verify, (*key, "verify_data"), c) if verify else ()
+    single = len(data_patterns) == 1 and not glob.has_magic(data_patterns[0])
+    return CalibrationSpec(
+        data, table.get("method") or "entropy", table_path, verify_files, single
+    )
+
+
+def _entries(
+    tables: list[dict[str, Any] | None],
+    profiles: tuple[dict[str, ShapeProfile], ...],
+    calibration: CalibrationSpec | None,
+    model: ModelSpec | None,
+    c: _Collector,
+) -> tuple[Entry, ...]:
+    from enginekit.pipeline.checks import check_backend, model_has_qdq
+
+    name = model.name if model is not None else "model"
+
+    entries: list[Entry] = []
+    seen: dict[str, int] = {}
+    for index, t in enumerate(tables):
+        key: KeyPath = ("engine", index)
+        if not t or t.get("backend") is None or t.get("precision", ["fp32"]) is None:
+            continue
+        backend = t["backend"]
+        precisions = t.get("precision") or ["fp32"]
+        layouts = t.get("layout") or [None]
+        options = dict(t.get("options") or {})
+        if "layout" in options and t.get("layout"):
+            c.error((*key, "layout"), "layout is given twice (here and in options); keep one")
+        check_backend(backend, precisions, t.get("layout") is not None, options, key, c)
+        if "int8" in precisions and calibration is None:
+            if model is None or model.path is None or not model_has_qdq(model.path):
+                c.error(
+                    (*key, "precision"),
+                    "int8 needs a [calibration] section (data or table); only a model with "
+                    "Q/DQ nodes needs none",
+                )
+        for precision in precisions:
+            for layout in layouts:
+                parts = [name, backend]
+                if t.get("variant"):
+                    parts.append(t["variant"])
+                parts.append(precision)
+                if layout is not None and len(layouts) > 1:
+                    parts.append(layout.lower())
+                entry_id = "-".join(parts)
+                entry_options = {**options, **({"layout": layout} if layout else {})}
+                try:
+                    config = BuildConfig(
+                        backend=backend,
+                        profiles=profiles,
+                        precision=precision,  # type: ignore[arg-type]
+                        device=t.get("device") or "cpu",
+                        verify=t.get("verify", True),
+                        atol=t.get("atol"),
+                        rtol=t.get("rtol"),
+                        seed=t.get("seed") or 0,
+                        options=entry_options,
+                    )
+                except EnginekitError as exc:
+                    c.error((*key, "device"), str(exc))
+                    continue
+                if entry_id in seen:
+                    c.error(
+                        key,
+                        f"entry {entry_id!r} is also made by engine[{seen[entry_id]}]; give "
+                        "one of them variant = \"...\" to tell their artifacts apart",
+                    )
+                    continue
+                seen[entry_id] = index
+                entries.append(
+                    Entry(entry_id, index, backend, precision, layout, t.get("variant"), config)
+                )
+    return tuple(entries)
+
+
+def _gates(table: dict[str, Any], entries: tuple[Entry, ...], c: _Collector) -> Gates:
+    used = {e.precision for e in entries}
+    for gate in ("max_abs_error", "min_top1_agreement"):
+        for precision in table.get(gate) or {}:
+            if precision != "default" and entries and precision not in used:
+                c.warn(
+                    ("gates", gate, precision),
+                    f"no entry builds {precision}; this limit applies to nothing",
+                )
+    return Gates(
+        max_abs_error=dict(table.get("max_abs_error") or {}),
+        min_top1_agreement=dict(table.get("min_top1_agreement") or {}),
+        max_throughput_regression=table.get("max_throughput_regression"),
+    )
+
+
+def _bench(table: dict[str, Any]) -> BenchSpec:
+    sizes = table.get("batch_sizes")
+    return BenchSpec(
+        enabled=table.get("enabled", True),
+        batch_sizes=tuple(sizes) if sizes else None,
+        duration=float(table.get("duration") or 0.5),
+        rounds=int(table.get("rounds") or 3),
+        warmup=float(table["warmup"]) if table.get("warmup") is not None else 0.1,
+    )
