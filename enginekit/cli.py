@@ -78,10 +78,27 @@ def _add_build(sub: Any) -> None:
         help="backend option (value parsed as JSON when it is JSON); see `enginekit backends --json`",
     )
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    _add_tensorrt_flags(p)
     from enginekit.pipeline.cli import add_build_flags
 
     add_build_flags(p)
     p.set_defaults(func=_cmd_build)
+
+
+def _add_tensorrt_flags(p: argparse.ArgumentParser) -> None:
+    """Shorthands for TensorRT backend options (each is also -O name=value)."""
+    p.add_argument(
+        "--timing-cache",
+        metavar="PATH",
+        help="tensorrt: timing cache file or directory, loaded and saved back (per GPU/version)",
+    )
+    p.add_argument("--workspace", metavar="SIZE", help="tensorrt: workspace limit, e.g. 4GiB")
+
+
+def backend_flag_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Backend options given as their own flags (``--timing-cache``, ``--workspace``)."""
+    flags = {"timing_cache": args.timing_cache, "workspace": args.workspace}
+    return {k: v for k, v in flags.items() if v is not None}
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -93,8 +110,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
         return cmd_build_config(args)
     if not args.model or not args.output:
         raise UsageError("build needs a model and -o OUTPUT (or -c enginekit.toml)")
-
     options = dict(_parse_option(o) for o in args.option)
+    options.update(backend_flag_options(args))
     shapes = [s for group in args.shapes for s in group]
     engine = ek.build(
         args.model,

@@ -79,6 +79,15 @@ ShapesArg = Mapping[str, Any] | Sequence[Mapping[str, Any]] | str | Sequence[str
 
 
 def _as_profile(name: str, value: Any) -> ShapeProfile:
+    try:
+        return _as_profile_unnamed(name, value)
+    except BuildError as exc:
+        if f"input {name!r}" in str(exc):
+            raise
+        raise BuildError(f"shapes for input {name!r}: {exc}") from None
+
+
+def _as_profile_unnamed(name: str, value: Any) -> ShapeProfile:
     if isinstance(value, ShapeProfile):
         return value
     if isinstance(value, str):
@@ -115,7 +124,10 @@ def _parse_profile_text(name: str, text: str) -> ShapeProfile:
         return ShapeProfile.fixed(_parse_shape_text(name, parts[0]))
     if len(parts) == 3:
         lo, mid, hi = (_parse_shape_text(name, p) for p in parts)
-        return ShapeProfile(lo, mid, hi)
+        try:
+            return ShapeProfile(lo, mid, hi)
+        except BuildError as exc:
+            raise BuildError(f"shapes for input {name!r}: {exc}") from None
     raise BuildError(
         f"shapes for input {name!r}: {text!r} must be one shape (AxB) or min,opt,max (AxB,CxD,ExF)"
     )
