@@ -161,6 +161,7 @@ def build(
                 ),
                 "build_s": round(build_s, 3),
                 "host": target.host(),
+                "versions": _toolchain(),
             },
             "verify": None,
             "bench": None,
@@ -193,6 +194,14 @@ def build(
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
+
+
+def _toolchain() -> dict[str, str]:
+    """Versions besides enginekit's and the backend's that shape an artifact (for rebuilds)."""
+    import numpy
+    import onnx
+
+    return {"onnx": onnx.__version__, "numpy": numpy.__version__}
 
 
 def _entry(path: Path) -> dict[str, Any]:

@@ -85,6 +85,8 @@ _SINGLE_BUILD_DEFAULTS = {
     "no_verify": False,
     "atol": None,
     "rtol": None,
+    "timing_cache": None,
+    "workspace": None,
 }
 
 

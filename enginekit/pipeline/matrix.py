@@ -53,6 +53,7 @@ class Outcome:
         failure: ``verification`` (the engine disagrees with the reference) or ``error``.
         verify: the verification report (from the manifest, or from the failed verification).
         manifest: the artifact's manifest (None when none was written).
+        pid: the process that built or fetched it.
     """
 
     id: str
@@ -64,6 +65,7 @@ class Outcome:
     failure: str | None = None
     verify: dict[str, Any] | None = None
     manifest: dict[str, Any] | None = None
+    pid: int = dataclasses.field(default_factory=os.getpid)
 
 
 # -- calibration arguments -----------------------------------------------------------------------

@@ -244,6 +244,7 @@ def _entry_report(
         "backend_version": (manifest.get("backend") or {}).get("version"),
         "build_s": (manifest.get("build") or {}).get("build_s"),
         "seconds": round(outcome.seconds, 4),
+        "pid": outcome.pid,
         "accuracy": acc,
         "bench": bench,
         "gates": [g.to_json() for g in results],
