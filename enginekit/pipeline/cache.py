@@ -256,7 +256,9 @@ class Cache:
         if not dry_run:
             self._clean_tmp(now)
         gone = {e.key for e in removed}
-        return PruneResult(tuple(removed), tuple(e for e in entries if e.key not in gone), tuple(busy))
+        return PruneResult(
+            tuple(removed), tuple(e for e in entries if e.key not in gone), tuple(busy)
+        )
 
     def _clean_tmp(self, now: float) -> None:
         if not self.tmp_dir.is_dir():

@@ -159,7 +159,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         cfg = load(args.config, strict=args.strict)
     except ConfigError as exc:
         if args.json:
-            print(json.dumps({"valid": False, "issues": [i.to_json() for i in exc.issues]}, indent=2))
+            print(
+                json.dumps({"valid": False, "issues": [i.to_json() for i in exc.issues]}, indent=2)
+            )
             if _github():
                 for i in exc.issues:
                     _annotate("error", i.message, str(exc.path), i.line)
@@ -227,15 +229,16 @@ def cmd_cache(args: argparse.Namespace) -> int:
     cache = Cache(args.cache)
     if args.cache_command == "info":
         entries = cache.entries()
+        total = sum(e.size for e in entries)
         data = {
             "cache": str(cache.root),
             "entries": len(entries),
-            "bytes": sum(e.size for e in entries),
+            "bytes": total,
             "items": [
                 {"key": e.key, "size": e.size, "last_used": e.last_used, **e.meta} for e in entries
             ],
         }
-        lines = [f"{cache.root}: {len(entries)} entries, {_size(data['bytes'])}"]
+        lines = [f"{cache.root}: {len(entries)} entries, {_size(total)}"]
         lines += [f"  {e.key[:16]}…  {_size(e.size):>9}  {e.meta.get('id', '')}" for e in entries]
         print(json.dumps(data, indent=2) if args.json else "\n".join(lines))
         return EXIT_OK
@@ -253,7 +256,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
         f"{len(result.kept)} ({_size(sum(e.size for e in result.kept))})"
         + (f"; {len(result.busy)} in use by a running job, kept" if result.busy else "")
     )
-    print(json.dumps({**result.to_json(), "dry_run": args.dry_run}, indent=2) if args.json else text)
+    print(
+        json.dumps({**result.to_json(), "dry_run": args.dry_run}, indent=2) if args.json else text
+    )
     return EXIT_OK
 
 

@@ -13,10 +13,14 @@ import glob
 import hashlib
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib  # type: ignore[no-redef]
 
 from enginekit.config import BuildConfig, Precision, ShapeProfile, normalize_shapes
 from enginekit.errors import EnginekitError
@@ -34,8 +38,8 @@ from enginekit.pipeline.fields import (
     Table,
     _kind,
 )
-from enginekit.pipeline.locate import format_path, key_lines, line_of
 from enginekit.pipeline.locate import Path as KeyPath
+from enginekit.pipeline.locate import format_path, key_lines, line_of
 
 PRECISIONS = tuple(p.value for p in Precision)
 CALIBRATION_METHODS = ("entropy", "percentile", "minmax")
@@ -246,7 +250,9 @@ SPEC = Table(
                         ),
                         "atol": Key(Num("verification absolute tolerance", minimum=0)),
                         "rtol": Key(Num("verification relative tolerance", minimum=0)),
-                        "seed": Key(Num("seed of the verification inputs", integer=True), default=0),
+                        "seed": Key(
+                            Num("seed of the verification inputs", integer=True), default=0
+                        ),
                     },
                     doc="one matrix row: a backend with its precisions and layouts",
                 ),
@@ -267,9 +273,14 @@ SPEC = Table(
                     "method": Key(
                         Str("calibration method", choices=CALIBRATION_METHODS), default="entropy"
                     ),
-                    "table": Key(Str("a calibration table JSON (enginekit calibrate) instead of data")),
+                    "table": Key(
+                        Str("a calibration table JSON (enginekit calibrate) instead of data")
+                    ),
                     "verify_data": Key(
-                        OneOrList(Str(), doc="data to verify int8 engines on (default: held-out calibration samples)")
+                        OneOrList(
+                            Str(),
+                            doc="data to verify int8 engines on (default: held-out calibration samples)",
+                        )
                     ),
                 },
                 doc="how int8 entries are calibrated",
@@ -529,7 +540,7 @@ def _model(root: Path, table: dict[str, Any] | None, c: _Collector) -> ModelSpec
     python_path = tuple(root / p for p in (table.get("python_path") or ["."]))
     candidate = root / source
     if ENTRY_POINT.fullmatch(source) and not candidate.exists():
-        module, _, function = source.partition(":")
+        module = source.partition(":")[0]
         from enginekit.pipeline.source import find_module
 
         problem = find_module(module, python_path)
@@ -602,9 +613,7 @@ def _calibration(root: Path, table: dict[str, Any] | None, c: _Collector) -> Cal
     verify = table.get("verify_data") or []
     verify_files = _files(root, verify, (*key, "verify_data"), c) if verify else ()
     single = len(data_patterns) == 1 and not glob.has_magic(data_patterns[0])
-    return CalibrationSpec(
-        data, table.get("method") or "entropy", table_path, verify_files, single
-    )
+    return CalibrationSpec(data, table.get("method") or "entropy", table_path, verify_files, single)
 
 
 def _entries(
@@ -652,7 +661,7 @@ def _entries(
                     config = BuildConfig(
                         backend=backend,
                         profiles=profiles,
-                        precision=precision,  # type: ignore[arg-type]
+                        precision=precision,
                         device=t.get("device") or "cpu",
                         verify=t.get("verify", True),
                         atol=t.get("atol"),
@@ -667,7 +676,7 @@ def _entries(
                     c.error(
                         key,
                         f"entry {entry_id!r} is also made by engine[{seen[entry_id]}]; give "
-                        "one of them variant = \"...\" to tell their artifacts apart",
+                        'one of them variant = "..." to tell their artifacts apart',
                     )
                     continue
                 seen[entry_id] = index

@@ -74,12 +74,12 @@ class Str(Node):
         if self.choices is not None and value not in self.choices:
             close = difflib.get_close_matches(value, self.choices, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            issues.append(
-                Issue(path, f"{value!r} is not one of {', '.join(self.choices)}{hint}")
-            )
+            issues.append(Issue(path, f"{value!r} is not one of {', '.join(self.choices)}{hint}"))
             return None
         if self.pattern is not None and not re.fullmatch(self.pattern, value):
-            issues.append(Issue(path, f"{value!r} is not valid{': ' + self.hint if self.hint else ''}"))
+            issues.append(
+                Issue(path, f"{value!r} is not valid{': ' + self.hint if self.hint else ''}")
+            )
             return None
         return value
 
@@ -114,7 +114,9 @@ class Num(Node):
             return None
         lo, hi = self.minimum, self.maximum
         if lo is not None and (value <= lo if self.exclusive_minimum else value < lo):
-            issues.append(Issue(path, f"{value} must be {'>' if self.exclusive_minimum else '>='} {lo}"))
+            issues.append(
+                Issue(path, f"{value} must be {'>' if self.exclusive_minimum else '>='} {lo}")
+            )
             return None
         if hi is not None and value > hi:
             issues.append(Issue(path, f"{value} must be <= {hi}"))

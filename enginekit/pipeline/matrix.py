@@ -262,7 +262,11 @@ def build_one(job: Job) -> Outcome:
                 cache.store(
                     job.key,
                     Path(job.output),
-                    {"id": job.entry.id, "backend": job.entry.backend, "precision": job.entry.precision},
+                    {
+                        "id": job.entry.id,
+                        "backend": job.entry.backend,
+                        "precision": job.entry.precision,
+                    },
                 )
     except VerificationError as exc:
         return Outcome(

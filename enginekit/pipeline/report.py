@@ -94,12 +94,8 @@ def _accuracy_gates(entry: Entry, acc: Mapping[str, Any], gates: Gates) -> list[
             out.append(GateResult("max_abs_error", limit, None, False, _unmeasured(entry)))
         else:
             ok = value <= limit
-            out.append(
-                GateResult(
-                    "max_abs_error", limit, value, ok,
-                    f"max abs error {value:.3g} {'<=' if ok else '>'} {limit:g}",
-                )  # fmt: skip
-            )
+            message = f"max abs error {value:.3g} {'<=' if ok else '>'} {limit:g}"
+            out.append(GateResult("max_abs_error", limit, value, ok, message))
     limit = gates.limit("min_top1_agreement", entry.precision)
     if limit is not None:
         value = acc.get("top1_agreement")
@@ -113,12 +109,8 @@ def _accuracy_gates(entry: Entry, acc: Mapping[str, Any], gates: Gates) -> list[
             out.append(GateResult("min_top1_agreement", limit, None, False, why))
         else:
             ok = value >= limit
-            out.append(
-                GateResult(
-                    "min_top1_agreement", limit, value, ok,
-                    f"top-1 agreement {value:.2%} {'>=' if ok else '<'} {limit:.2%}",
-                )  # fmt: skip
-            )
+            message = f"top-1 agreement {value:.2%} {'>=' if ok else '<'} {limit:.2%}"
+            out.append(GateResult("min_top1_agreement", limit, value, ok, message))
     return out
 
 
@@ -195,7 +187,13 @@ def load_baseline(path: str | os.PathLike | None) -> dict[str, Any] | None:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise ConfigError(
             p,
-            [Located((), None, f"baseline is not an enginekit pipeline report (schema {SCHEMA}, found {found!r})")],
+            [
+                Located(
+                    (),
+                    None,
+                    f"baseline is not an enginekit pipeline report (schema {SCHEMA}, found {found!r})",
+                )
+            ],
         )
     return data
 
@@ -230,7 +228,9 @@ def _entry_report(
     limit = gates.max_throughput_regression
     if limit is not None and outcome.status in ("built", "cached"):
         base_entries = {e["id"]: e for e in (baseline or {}).get("entries", [])}
-        results.append(throughput_gate(limit, bench, base_entries.get(entry.id), baseline is not None))
+        results.append(
+            throughput_gate(limit, bench, base_entries.get(entry.id), baseline is not None)
+        )
     failed = [g for g in results if g.passed is False]
     return {
         **entry.to_json(),
@@ -272,7 +272,9 @@ def assemble(
     ]
     errors = [e for e in entries if e["status"] == "failed" and e["failure"] == "error"]
     code = EXIT_FAILURE if errors else EXIT_GATE if regressions else EXIT_OK
-    count = {s: sum(e["status"] == s for e in entries) for s in ("built", "cached", "skipped", "failed")}
+    count = {
+        s: sum(e["status"] == s for e in entries) for s in ("built", "cached", "skipped", "failed")
+    }
     return {
         "schema": SCHEMA,
         "enginekit_version": __version__,
@@ -344,9 +346,12 @@ def markdown(report: Mapping[str, Any]) -> str:
     base_text = (
         "no baseline"
         if base is None
-        else f"baseline `{base['path']}`" + ("" if base["found"] else " (not found: regression gate not evaluated)")
+        else f"baseline `{base['path']}`"
+        + ("" if base["found"] else " (not found: regression gate not evaluated)")
     )
-    sizes = sorted({b["batch"] for e in report["entries"] for b in (e.get("bench") or {}).get("batches", [])})
+    sizes = sorted(
+        {b["batch"] for e in report["entries"] for b in (e.get("bench") or {}).get("batches", [])}
+    )
     lines = [
         f"## enginekit build: {head}",
         "",
@@ -369,8 +374,12 @@ def markdown(report: Mapping[str, Any]) -> str:
         )
     if report["regressions"]:
         lines += ["", "### Regressions", ""]
-        lines += [f"- **{r.partition(': ')[0]}**: {r.partition(': ')[2]}" for r in report["regressions"]]
-    problems = [e for e in report["entries"] if e["status"] in ("skipped", "failed") and e["reason"]]
+        lines += [
+            f"- **{r.partition(': ')[0]}**: {r.partition(': ')[2]}" for r in report["regressions"]
+        ]
+    problems = [
+        e for e in report["entries"] if e["status"] in ("skipped", "failed") and e["reason"]
+    ]
     if problems:
         lines += ["", "### Skipped and failed", ""]
         lines += [f"- `{e['id']}` ({e['status']}): {e['reason']}" for e in problems]

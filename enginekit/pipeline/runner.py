@@ -79,7 +79,13 @@ def run(
         "sha256": model.sha256,
     }
     data = report.assemble(
-        cfg, model_info, outcomes, results, base, None if baseline is None else str(baseline), timings
+        cfg,
+        model_info,
+        outcomes,
+        results,
+        base,
+        None if baseline is None else str(baseline),
+        timings,
     )
     report.write(data, out_dir)
     return data

@@ -61,9 +61,7 @@ def call_entry(entry: str, python_path: Sequence[Path]) -> tuple[Any, Any]:
             raise ExportError(f"model entry {entry!r}: cannot import {module_name}: {exc}") from exc
     fn = getattr(module, function, None)
     if not callable(fn):
-        raise ExportError(
-            f"model entry {entry!r}: {module_name} has no function {function!r}"
-        )
+        raise ExportError(f"model entry {entry!r}: {module_name} has no function {function!r}")
     result = fn()
     if not (isinstance(result, tuple) and len(result) == 2):
         raise ExportError(

@@ -88,7 +88,9 @@ def test_unknown_key_names_path_line_and_suggestion(project):
         """
     )
     (msg,) = problems(path)
-    assert msg.startswith("enginekit.toml:12: engine[1].precison: unknown key; did you mean 'precision'?")
+    assert msg.startswith(
+        "enginekit.toml:12: engine[1].precison: unknown key; did you mean 'precision'?"
+    )
 
 
 def test_bad_shape_string_names_input_and_line(project):
@@ -250,7 +252,9 @@ def test_validate_command_exit_codes(project):
     good = project.write(
         f'[model]\nsource = "mlp.onnx"\n{MLP_SHAPES}[[engine]]\nbackend = "onnxruntime"\n'
     )
-    bad = project.write('[model]\nsource = "nope.onnx"\n[[engine]]\nbackend = "onnxruntime"\n', "bad.toml")
+    bad = project.write(
+        '[model]\nsource = "nope.onnx"\n[[engine]]\nbackend = "onnxruntime"\n', "bad.toml"
+    )
     ok = cli("validate", "-c", str(good), "--json")
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["entries"][0]["id"] == "mlp-onnxruntime-fp32"
