@@ -39,8 +39,9 @@ def cli(
     *args: str, cwd: Path | None = None, prelude: str = "", env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """The enginekit command in a fresh process (exit codes are what a CI job sees)."""
+    # The checkout under test comes first, whatever the working directory.
     code = (
-        f"import sys; sys.path.insert(0, {str(TESTS)!r}); {prelude}"
+        f"import sys; sys.path[:0] = [{str(TESTS.parent)!r}, {str(TESTS)!r}]; {prelude}"
         "from enginekit.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     return subprocess.run(

@@ -102,7 +102,7 @@ def test_sizes_and_ages():
 
 CONCURRENT = """
 import json, sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{root!r}, {tests!r}]
 from enginekit.pipeline import run
 report = run({config!r}, out=sys.argv[1], cache={cache!r})
 print(json.dumps([(e["id"], e["status"], e["key"]) for e in report["entries"]]))
@@ -129,7 +129,9 @@ def test_concurrent_builds_into_one_cache_do_not_corrupt_it(project):
         """
     )
     cache = project.root / "cache"
-    code = CONCURRENT.format(tests=str(TESTS), config=str(path), cache=str(cache))
+    code = CONCURRENT.format(
+        root=str(TESTS.parent), tests=str(TESTS), config=str(path), cache=str(cache)
+    )
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, str(project.root / f"out{i}")],
