@@ -107,10 +107,18 @@ def build(
         atol, rtol: verification tolerance (default: the precision's).
         config: a complete BuildConfig instead of the arguments above.
         **options: backend options (``enginekit backends --json`` lists each backend's).
+            With ``backend="auto"`` also ``candidates``, ``precisions``, ``objective``,
+            ``bench_duration``: see :func:`enginekit.choose.build_auto`.
 
     Raises:
         BuildError, VerificationError, BackendUnavailable, ModelError.
     """
+    if (config.backend if config is not None else backend) == "auto":
+        from enginekit.choose import build_auto
+
+        return build_auto(
+            model, shapes, precision, output, device, verify, atol, rtol, config, **options
+        )
     if config is None:
         config = BuildConfig(
             backend=backend,

@@ -1,4 +1,5 @@
-"""The ``enginekit`` command line: build, run, inspect, backends, validate, cache, export-triton.
+"""The ``enginekit`` command line: build, run, inspect, backends, compare, bench, validate, cache,
+export-triton.
 
 Exit codes: 0 ok, 1 failure (a typed enginekit error), 2 usage error (with ``build -c``: an
 invalid build file or baseline), 3 verification failed (with ``build -c``: a gate failed —
@@ -21,11 +22,9 @@ from typing import Any, cast
 
 import numpy as np
 
+from enginekit.errors import UsageError  # bad usage, from here or the library: exit code 2
+
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_VERIFY = 0, 1, 2, 3
-
-
-class UsageError(Exception):
-    """Bad command-line usage (exit code 2)."""
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -79,6 +78,9 @@ def _add_build(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     _add_tensorrt_flags(p)
+    from enginekit.cli_bench import add_auto_flags
+
+    add_auto_flags(p)
     from enginekit.pipeline.cli import add_build_flags
 
     add_build_flags(p)
@@ -103,6 +105,7 @@ def backend_flag_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     import enginekit as ek
+    from enginekit.cli_bench import auto_requested, cmd_build_auto
 
     if args.config:
         from enginekit.pipeline.cli import cmd_build_config
@@ -113,6 +116,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     options = dict(_parse_option(o) for o in args.option)
     options.update(backend_flag_options(args))
     shapes = [s for group in args.shapes for s in group]
+    if auto_requested(args):
+        return cmd_build_auto(args, ek.parse_shapes(shapes) if shapes else None, options)
     engine = ek.build(
         args.model,
         backend=args.backend,
@@ -405,6 +410,21 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- compare, bench (enginekit/cli_bench.py) -----------------------------------------------------
+
+
+def _add_compare(sub: Any) -> None:
+    from enginekit.cli_bench import add_compare
+
+    add_compare(sub)
+
+
+def _add_bench(sub: Any) -> None:
+    from enginekit.cli_bench import add_bench
+
+    add_bench(sub)
+
+
 # -- validate, cache, export-triton (enginekit/pipeline/cli.py) ----------------------------------
 
 
@@ -424,6 +444,8 @@ COMMANDS: list[Callable[[Any], None]] = [
     _add_run,
     _add_inspect,
     _add_backends,
+    _add_compare,
+    _add_bench,
     _add_pipeline,
 ]
 

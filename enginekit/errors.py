@@ -37,3 +37,7 @@ class ArtifactError(EnginekitError):
 
 class BackendUnavailable(EnginekitError):
     """A backend is not installed, or has no device it can run on here."""
+
+
+class UsageError(EnginekitError, ValueError):
+    """Arguments that are out of range or cannot work together (CLI exit code 2)."""

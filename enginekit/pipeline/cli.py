@@ -87,12 +87,16 @@ _SINGLE_BUILD_DEFAULTS = {
     "rtol": None,
     "timing_cache": None,
     "workspace": None,
+    "precisions": None,
+    "objective": None,
+    "bench_duration": None,
+    "candidate": None,
 }
 
 
 def cmd_build_config(args: argparse.Namespace) -> int:
     """``enginekit build -c enginekit.toml``: the whole matrix, report and gates."""
-    from enginekit.cli import UsageError
+    from enginekit.errors import UsageError
     from enginekit.pipeline.config import ConfigError
     from enginekit.pipeline.runner import run
 
@@ -101,7 +105,7 @@ def cmd_build_config(args: argparse.Namespace) -> int:
     given = [
         "--" + k.replace("_", "-")
         for k, default in _SINGLE_BUILD_DEFAULTS.items()
-        if getattr(args, k, default) != default
+        if getattr(args, k, default) not in (default, None, False, [])
     ]
     if given:
         raise UsageError(
@@ -221,7 +225,7 @@ def _size(n: float) -> str:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from enginekit.cli import UsageError
+    from enginekit.errors import UsageError
     from enginekit.pipeline.cache import Cache, parse_age, parse_size
 
     if not args.cache:
