@@ -1,24 +1,26 @@
-"""The bench step of a pipeline run: throughput and latency of every built entry.
+"""The bench step of a pipeline run: throughput and latency of every built entry, measured by
+:func:`enginekit.bench.bench_many`.
 
-One function, :func:`measure`. It runs after all builds, in one process, entries one after
-another (never in parallel: engines measured side by side would slow each other down).
+It runs after all builds, in one process, never beside a build: engines measured side by side
+with other work would slow each other down. ``bench_many`` interleaves its rounds across the
+entries, so a burst of noise from elsewhere on the runner hits all of them alike.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from enginekit.config import ShapeProfile
+from enginekit.errors import EnginekitError
 from enginekit.pipeline.config import BenchSpec
+
+TOOL = "enginekit.bench"
 
 
 def default_batch_sizes(profiles: Sequence[Mapping[str, ShapeProfile]]) -> list[int]:
-    """The first profile's min, opt and max batch (leading dim of its first input); [1, 8]
-    without profiles."""
+    """The first profile's min, opt and max batch (the leading dim of its first input); [1, 8]
+    without profiles. Fewer sizes than ``enginekit bench`` takes by default: CI time is short."""
     if not profiles or not profiles[0]:
         return [1, 8]
     prof = next(iter(profiles[0].values()))
@@ -35,77 +37,57 @@ def measure(
     """Benchmark every ``(entry id, artifact path)`` at each batch size.
 
     Returns:
-        entry id -> ``{"tool", "batches": [{"batch", "throughput" (samples/s), "latency_ms":
-        {"p50", "p90", "p99"}, "stable", "spread", "error"}]}``.
+        entry id -> ``{"tool", "stable", "settings", "batches": [enginekit.bench batch results:
+        {"batch", "throughput" (samples/s, median of rounds), "round_throughputs",
+        "latency_ms": {"p50", "p90", "p99", ...}, "spread", "stable", "split", "error", ...}]}``;
+        an entry whose artifact cannot be loaded gets ``{"tool", "error", "batches": []}``.
     """
     import enginekit as ek
+    from enginekit.bench import batched, bench_many
 
-    sizes = list(spec.batch_sizes or default_batch_sizes(profiles))
     out: dict[str, dict[str, Any]] = {}
-    for entry_id, path in artifacts:
-        with ek.load(path) as engine:
-            out[entry_id] = {
-                "tool": "timed-loop",
-                "batches": [_timed(engine, b, spec) for b in sizes],
-            }
+    opened: list[tuple[str, Any]] = []
+    try:
+        for entry_id, path in artifacts:
+            try:
+                opened.append((entry_id, ek.load(path)))
+            except EnginekitError as exc:
+                out[entry_id] = {"tool": TOOL, "error": str(exc), "batches": []}
+        if not opened:
+            return out
+        sizes = spec.batch_sizes or (
+            default_batch_sizes(profiles) if batched(opened[0][1]) else None
+        )
+        results = bench_many(
+            [engine for _, engine in opened],
+            sizes,
+            duration=spec.duration,
+            rounds=spec.rounds,
+            warmup=spec.warmup,
+            labels=[entry_id for entry_id, _ in opened],
+        )
+    finally:
+        for _, engine in opened:
+            engine.close()
+    for (entry_id, _), result in zip(opened, results):
+        data = result.to_json()
+        out[entry_id] = {
+            "tool": TOOL,
+            "stable": data["stable"],
+            "settings": data["settings"],
+            "peak_rss_mb": data["peak_rss_mb"],
+            "batches": data["results"],
+        }
     return out
 
 
-def _feeds(engine: Any, batch: int) -> dict[str, np.ndarray]:
-    from enginekit.model import random_feeds
-
-    profile = engine.profiles[0] if engine.profiles else {}
-    shapes = {}
-    for s in engine.inputs:
-        if s.name in profile:
-            base = list(profile[s.name].opt)
-        else:
-            base = [d if isinstance(d, int) else 1 for d in s.shape]
-        if base and not isinstance(s.shape[0], int):
-            base[0] = batch
-        shapes[s.name] = tuple(base)
-    return random_feeds(engine.inputs, shapes)
-
-
-def _timed(engine: Any, batch: int, spec: BenchSpec) -> dict[str, Any]:
-    """A minimal timed loop, until enginekit.bench is available to this module."""
-    try:
-        feeds = _feeds(engine, batch)
-        engine.infer(feeds)
-    except Exception as exc:
-        return {"batch": batch, "throughput": None, "error": f"{type(exc).__name__}: {exc}"}
-    end = time.perf_counter() + spec.warmup
-    while time.perf_counter() < end:
-        engine.infer(feeds)
-    times: list[float] = []
-    rates = []
-    per_round = spec.duration / spec.rounds
-    for _ in range(spec.rounds):
-        calls = 0
-        start = time.perf_counter()
-        stop = start + per_round
-        while True:
-            t0 = time.perf_counter()
-            engine.infer(feeds)
-            t1 = time.perf_counter()
-            times.append(t1 - t0)
-            calls += 1
-            if t1 >= stop:
-                break
-        rates.append(calls * batch / (t1 - start))
-    median = float(np.median(rates))
-    spread = (max(rates) - min(rates)) / median if len(rates) > 1 and median else None
-    ms = np.asarray(times) * 1e3
-    return {
-        "batch": batch,
-        "throughput": median,
-        "latency_ms": {
-            "p50": float(np.percentile(ms, 50)),
-            "p90": float(np.percentile(ms, 90)),
-            "p99": float(np.percentile(ms, 99)),
-        },
-        "runs": len(times),
-        "spread": spread,
-        "stable": None if spread is None else spread <= 0.10,
-        "error": None,
-    }
+def best(first: Mapping[str, Any], second: Mapping[str, Any]) -> dict[str, Any]:
+    """Two measurements of one entry merged batch by batch, keeping the faster (for a
+    re-measurement of a suspected regression: noise only ever slows a run down)."""
+    by_batch = {b["batch"]: b for b in first.get("batches", [])}
+    merged = []
+    for b in second.get("batches", []):
+        a = by_batch.get(b["batch"])
+        keep = b if a is None or (b.get("throughput") or 0) > (a.get("throughput") or 0) else a
+        merged.append(keep)
+    return {**first, "batches": merged, "remeasured": True}

@@ -89,6 +89,8 @@ def test_baseline_with_higher_throughput_fails_the_regression_gate(project):
     assert gate["passed"] is False and gate["value"] > 0.5
     assert "below baseline" in gate["message"] and "batch 4" in gate["message"]
     assert "mlp-onnxruntime-fp32" in regressed["regressions"][0]
+    bench = regressed["entries"][0]["bench"]
+    assert bench["tool"] == "enginekit.bench" and bench["remeasured"] is True
 
     improved = run(path, out=out, cache=cache, baseline=slower)
     assert improved["exit_code"] == 0
