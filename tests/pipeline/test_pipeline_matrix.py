@@ -231,3 +231,58 @@ def test_two_builds_of_one_entry_differ_only_in_timestamps(project):
         # What a rebuild needs is recorded: the source, the whole config, the versions.
         assert ma["source"]["sha256"] and ma["config"]["backend"] == ea["backend"]
         assert ma["backend"]["version"] and ma["enginekit_version"] and ma["build"]["versions"]
+
+
+ZOO = """
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def make_net():
+    torch.manual_seed(0)
+    return Net().eval(), (torch.randn(2, 16),)
+"""
+
+
+@pytest.mark.slow
+def test_exporter_entry_is_exported_then_built(project):
+    pytest.importorskip("torch", reason="the exporter entry returns a torch module")
+    (project.root / "zoo").mkdir()
+    (project.root / "zoo" / "__init__.py").write_text("")
+    (project.root / "zoo" / "nets.py").write_text(ZOO)
+    path = project.write(
+        f"""
+        [model]
+        source = "zoo.nets:make_net"
+        export = {{ dynamic_batch = true }}
+        {MLP_SHAPES}
+        [[engine]]
+        backend = "onnxruntime"
+        {NO_BENCH}
+        """
+    )
+    out, cache = project.root / "dist", project.root / "cache"
+    first = run(path, out=out, cache=cache)
+    assert first["exit_code"] == 0, first["entries"]
+    assert (out / "nets.onnx").is_file() and (out / "nets-onnxruntime-fp32.ekit").is_file()
+    assert first["model"]["sha256"] == ek.load_model(out / "nets.onnx").sha256
+    # The export is deterministic, so an unchanged entry function is a cache hit.
+    assert run(path, out=out, cache=cache)["entries"][0]["cache"] == "hit"
+
+
+def test_exporter_entry_that_cannot_be_found_is_a_config_error(project):
+    from enginekit.pipeline import ConfigError, load
+
+    path = project.write(
+        '[model]\nsource = "nowhere.nets:make_net"\n[[engine]]\nbackend = "onnxruntime"\n'
+    )
+    with pytest.raises(ConfigError, match=r"enginekit.toml:2: model.source: cannot find module"):
+        load(path)

@@ -62,3 +62,23 @@ def test_documented_examples_pass_the_type_checks():
         issues: list = []
         SPEC.check(tomllib.loads(text), (), issues)
         assert issues == []
+
+
+def test_ci_doc_python_example_runs(project, monkeypatch):
+    import shutil
+
+    shutil.copy(project.root / "mlp.onnx", project.root / "classifier.onnx")
+    project.write(
+        '[model]\nsource = "classifier.onnx"\n[shapes]\nx = "1x16,4x16,8x16"\n'
+        '[[engine]]\nbackend = "onnxruntime"\n[bench]\nenabled = false\n'
+    )
+    (block,) = re.findall(
+        r"```python\n(.*?)```", (ROOT / "docs" / "ci.md").read_text(encoding="utf-8"), flags=re.S
+    )
+    monkeypatch.chdir(project.root)
+    namespace: dict = {}
+    exec(compile(block, "docs/ci.md", "exec"), namespace)
+    assert namespace["report"]["exit_code"] == 0
+    assert (
+        project.root / "model_repository" / "classifier-onnxruntime-fp32" / "config.pbtxt"
+    ).is_file()
