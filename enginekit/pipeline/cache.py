@@ -255,10 +255,26 @@ class Cache:
             total -= e.size
         if not dry_run:
             self._clean_tmp(now)
+            self._clean_locks(now)
         gone = {e.key for e in removed}
         return PruneResult(
             tuple(removed), tuple(e for e in entries if e.key not in gone), tuple(busy)
         )
+
+    def _clean_locks(self, now: float) -> None:
+        """Remove lock files of keys no longer cached. A job that opened one just before it went
+        may build that key beside another job: both store by atomic rename, so the cache stays
+        whole (the work is done twice, that is all)."""
+        if not self.locks_dir.is_dir():
+            return
+        for lock in self.locks_dir.glob("*.lock"):
+            key = lock.stem
+            with contextlib.suppress(FileNotFoundError, EnginekitError):
+                if self.path(key).exists() or now - lock.stat().st_mtime < STALE_TMP_S:
+                    continue
+                with self.lock(key, wait=False) as got:
+                    if got:
+                        lock.unlink()
 
     def _clean_tmp(self, now: float) -> None:
         if not self.tmp_dir.is_dir():

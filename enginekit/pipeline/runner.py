@@ -63,6 +63,10 @@ def run(
     job_list, not_built = matrix.plan(cfg, model, model_file, out_dir, store, strict)
     outcomes = matrix.run(job_list, jobs) + not_built
     timings["build_s"] = time.perf_counter() - t
+    # dist/ holds this run's artifacts only: a skipped or failed entry must not ship an older one.
+    for o in outcomes:
+        if o.status in ("skipped", "failed"):
+            (out_dir / f"{o.id}.ekit").unlink(missing_ok=True)
 
     t = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}

@@ -84,6 +84,12 @@ def test_prune_command(tmp_path, artifact, capsys):
     assert json.loads(capsys.readouterr().out)["removed"] == []
     assert main(["cache", "prune", "--cache", str(cache.root), "--max-size", "1KB"]) == 0
     assert "removed 3 entries" in capsys.readouterr().out and cache.entries() == []
+    locks = list(cache.locks_dir.iterdir())
+    assert len(locks) == 3  # recent: a job may be about to use them
+    for lock in locks:
+        os.utime(lock, (time.time() - 7200, time.time() - 7200))
+    cache.prune(max_size=0)
+    assert list(cache.locks_dir.iterdir()) == []
     assert main(["cache", "prune", "--cache", str(cache.root), "--max-size", "5 parsecs"]) == 2
 
 

@@ -219,7 +219,7 @@ def manifest(path: Path) -> dict:
 
 
 def test_two_builds_of_one_entry_differ_only_in_timestamps(project):
-    engines, _ = matrix_engines()
+    engines = "".join(f'[[engine]]\nbackend = "{name}"\n' for name in cpu_backends())
     path = project.write(f'[model]\nsource = "mlp.onnx"\n{MLP_SHAPES}{engines}\n{NO_BENCH}')
     a = run(path, out=project.root / "a")
     b = run(path, out=project.root / "b")
@@ -286,3 +286,13 @@ def test_exporter_entry_that_cannot_be_found_is_a_config_error(project):
     )
     with pytest.raises(ConfigError, match=r"enginekit.toml:2: model.source: cannot find module"):
         load(path)
+
+
+def test_skipped_entry_leaves_no_stale_artifact(project, broken_backend):
+    ok = f'[model]\nsource = "mlp.onnx"\n{MLP_SHAPES}[[engine]]\nbackend = "broken"\natol = 100.0\n{NO_BENCH}'
+    out = project.root / "dist"
+    assert run(project.write(ok), out=out)["entries"][0]["status"] == "built"
+    strict = ok.replace("atol = 100.0\n", "")
+    report = run(project.write(strict), out=out)
+    assert report["entries"][0]["status"] == "failed"
+    assert not (out / "mlp-broken-fp32.ekit").exists()
