@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from enginekit.pipeline.cache import Cache
-from enginekit.pipeline.config import ConfigError, PipelineConfig, json_schema, load
+from enginekit.pipeline.config import ConfigError, PipelineConfig, load
+from enginekit.pipeline.spec import json_schema
 
 
 def run(config: Any, **kwargs: Any) -> dict[str, Any]:

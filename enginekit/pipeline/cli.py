@@ -154,7 +154,8 @@ def add_validate(sub: Any) -> None:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Exit 0 when the file is valid (warnings printed), 2 with every problem otherwise."""
-    from enginekit.pipeline.config import ConfigError, json_schema, load
+    from enginekit.pipeline.config import ConfigError, load
+    from enginekit.pipeline.spec import json_schema
 
     if args.schema:
         print(json.dumps(json_schema(), indent=2))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from enginekit.pipeline.config import json_schema
+from enginekit.pipeline.spec import json_schema
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -56,7 +56,7 @@ def test_schema_rejects_what_the_validator_rejects():
 
 
 def test_documented_examples_pass_the_type_checks():
-    from enginekit.pipeline.config import SPEC
+    from enginekit.pipeline.spec import SPEC
 
     for text in doc_examples():
         issues: list = []
