@@ -214,7 +214,6 @@ def _entry_report(
     bench: Mapping[str, Any] | None,
     gates: Gates,
     baseline: Mapping[str, Any] | None,
-    baseline_path: str | None,
 ) -> dict[str, Any]:
     manifest = outcome.manifest or {}
     acc = accuracy(outcome.verify)
@@ -264,8 +263,7 @@ def assemble(
     """The whole report (schema ``enginekit.pipeline-report/1``) with its exit code."""
     by_id = {o.id: o for o in outcomes}
     entries = [
-        _entry_report(e, by_id[e.id], bench.get(e.id), cfg.gates, baseline, baseline_path)
-        for e in cfg.entries
+        _entry_report(e, by_id[e.id], bench.get(e.id), cfg.gates, baseline) for e in cfg.entries
     ]
     regressions = [
         f"{e['id']}: {g['message']}" for e in entries for g in e["gates"] if g["passed"] is False
