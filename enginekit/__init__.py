@@ -32,7 +32,8 @@ from enginekit.errors import (
     VerificationError,
 )
 from enginekit.export import export
-from enginekit.model import Model, lint_batch, load_model, make_batch_dynamic
+from enginekit.model import Model, load_model
+from enginekit.passes import lint_batch, make_batch_dynamic
 
 
 def available_backends() -> list[Availability]:

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from enginekit.config import BuildConfig, ShapeProfile, ShapesArg, normalize_sha
 from enginekit.engine import Engine
 from enginekit.errors import ArtifactError, BackendUnavailable, BuildError, VerificationError
 from enginekit.model import Model, ModelSource, load_model
+from enginekit.passes import prepare
 from enginekit.progress import step
 from enginekit.verify import summarize, verify_engine
 
@@ -91,6 +93,8 @@ def build(
     atol: float | None = None,
     rtol: float | None = None,
     config: BuildConfig | None = None,
+    simplify: bool = True,
+    outputs: Sequence[str] = (),
     **options: Any,
 ) -> Engine:
     """Build an engine from an ONNX model, verify it, optionally write the artifact, return it.
@@ -106,6 +110,9 @@ def build(
         verify: compare with ONNX Runtime CPU at build time; a mismatch raises VerificationError.
         atol, rtol: verification tolerance (default: the precision's).
         config: a complete BuildConfig instead of the arguments above.
+        simplify: fold constants and simplify the graph first (recorded in manifest["passes"]);
+            verification still compares with the model as given.
+        outputs: build only the subgraph computing these tensors, for debugging a mismatch.
         **options: backend options (``enginekit backends --json`` lists each backend's).
             With ``backend="auto"`` also ``candidates``, ``precisions``, ``objective``,
             ``bench_duration``: see :func:`enginekit.choose.build_auto`.
@@ -115,6 +122,16 @@ def build(
     """
     if (config.backend if config is not None else backend) == "auto":
         from enginekit.choose import build_auto
+
+        if (
+            outputs
+            or not simplify
+            or (config is not None and (config.outputs or not config.simplify))
+        ):
+            raise BuildError(
+                "simplify=False and outputs= apply to one backend's build; name the backend "
+                "instead of 'auto'"
+            )
 
         return build_auto(
             model, shapes, precision, output, device, verify, atol, rtol, config, **options
@@ -129,18 +146,31 @@ def build(
             atol=atol,
             rtol=rtol,
             options=options,
+            simplify=simplify,
+            outputs=tuple(outputs),
         )
     with step("loading model"):
         model = load_model(model)
     be = backends.require(config.backend, config.device)
     backends.check_options(be, config.options)
-    check_profiles(model, config.profiles)
+    if not config.outputs:
+        check_profiles(model, config.profiles)  # fail fast, before any graph pass
+    with step("preparing the graph"):
+        # The backend builds the prepared graph; the manifest's source hash stays the user's.
+        prepared = prepare(
+            model,
+            simplify=config.simplify,
+            outputs=config.outputs,
+            opsets=getattr(be, "OPSETS", None),
+        )
+    reference = prepared.reference
+    check_profiles(reference, config.profiles)
     version = be.available().version
     workdir = Path(tempfile.mkdtemp(prefix="enginekit-build-"))
     try:
         start = time.perf_counter()
         with step(f"building {config.backend} engine"):
-            result = be.build(model, config, workdir)
+            result = be.build(prepared.model, config, workdir)
         build_s = time.perf_counter() - start
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -157,8 +187,9 @@ def build(
                 "opset": model.opset,
             },
             "config": config.to_json(),
-            "inputs": [s.to_json() for s in model.inputs],
-            "outputs": [s.to_json() for s in model.outputs],
+            "inputs": [s.to_json() for s in reference.inputs],
+            "outputs": [s.to_json() for s in reference.outputs],
+            "passes": [p.to_json() for p in prepared.passes],
             "profiles": config.to_json()["profiles"],
             "precision": config.precision.value,
             "calibration": None,
@@ -181,7 +212,7 @@ def build(
         engine = be.load(staged, config.device)
         if config.verify:
             with step("verifying against ONNX Runtime CPU"):
-                report = verify_engine(engine, model, config)
+                report = verify_engine(engine, reference, config)
             manifest["verify"] = report
             if not report["passed"]:
                 engine.close()

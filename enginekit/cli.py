@@ -76,6 +76,7 @@ def _add_build(sub: Any) -> None:
         metavar="KEY=VALUE",
         help="backend option (value parsed as JSON when it is JSON); see `enginekit backends --json`",
     )
+    _add_pass_flags(p)
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     _add_tensorrt_flags(p)
     from enginekit.cli_bench import add_auto_flags
@@ -116,6 +117,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     options = dict(_parse_option(o) for o in args.option)
     options.update(backend_flag_options(args))
     shapes = [s for group in args.shapes for s in group]
+    if auto_requested(args) and (args.no_simplify or args.outputs):
+        raise UsageError("--no-simplify and --outputs apply to one backend; name it, not auto")
     if auto_requested(args):
         return cmd_build_auto(args, ek.parse_shapes(shapes) if shapes else None, options)
     engine = ek.build(
@@ -128,6 +131,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         atol=args.atol,
         rtol=args.rtol,
+        **_pass_options(args),
         **options,
     )
     m = engine.manifest
@@ -150,6 +154,24 @@ def _cmd_build(args: argparse.Namespace) -> int:
 def _max_abs(report: dict[str, Any]) -> float:
     values = [o.get("max_abs", 0.0) for c in report.get("cases", []) for o in c["outputs"].values()]
     return max(values, default=0.0)
+
+
+def _add_pass_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-simplify",
+        action="store_true",
+        help="skip graph simplification (constant folding, dead nodes, shape inference)",
+    )
+    p.add_argument(
+        "--outputs",
+        metavar="A,B",
+        help="build only the subgraph computing these tensors (intermediate ones too), to debug",
+    )
+
+
+def _pass_options(args: argparse.Namespace) -> dict[str, Any]:
+    outputs = [o for o in (args.outputs or "").split(",") if o]
+    return {"simplify": not args.no_simplify, "outputs": outputs}
 
 
 # -- run ---------------------------------------------------------------------------------------
@@ -344,6 +366,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 else "no"
             ),
             "payload    " + ", ".join(f"{n} ({e['size']} B)" for n, e in info["payload"].items()),
+            "passes     "
+            + (
+                ", ".join(
+                    f"{p['name']} {p['nodes_before']}->{p['nodes_after']} nodes"
+                    for p in info.get("passes", [])
+                )
+                or "none"
+            ),
         ]
         for key, value in (info.get("backend_details") or {}).items():
             lines.append(f"{key:<10} {value}")
@@ -410,6 +440,21 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- export and prepare (enginekit/cli_export.py holds their work) ---------------------------
+
+
+def _add_export(sub: Any) -> None:
+    from enginekit.cli_export import add_export
+
+    add_export(sub)
+
+
+def _add_prepare(sub: Any) -> None:
+    from enginekit.cli_export import add_prepare
+
+    add_prepare(sub)
+
+
 # -- compare, bench (enginekit/cli_bench.py) -----------------------------------------------------
 
 
@@ -448,6 +493,7 @@ COMMANDS: list[Callable[[Any], None]] = [
     _add_bench,
     _add_pipeline,
 ]
+COMMANDS += [_add_export, _add_prepare]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -191,6 +191,8 @@ class BuildConfig:
         atol, rtol: verification tolerance; None takes the precision's default.
         seed: seed of the random verification inputs.
         options: backend-specific options (each backend documents and validates its own).
+        simplify: simplify the graph before the backend builds it (enginekit.passes.simplify).
+        outputs: build only the subgraph computing these tensors (empty: the model's outputs).
     """
 
     backend: str = "onnxruntime"
@@ -202,8 +204,11 @@ class BuildConfig:
     rtol: float | None = None
     seed: int = 0
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    simplify: bool = True
+    outputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "outputs", tuple(self.outputs))
         try:
             object.__setattr__(self, "precision", Precision(self.precision))
         except ValueError:
@@ -232,6 +237,8 @@ class BuildConfig:
             "rtol": self.rtol,
             "seed": self.seed,
             "options": dict(self.options),
+            "simplify": self.simplify,
+            "outputs": list(self.outputs),
         }
 
     @classmethod
