@@ -76,6 +76,20 @@ def check_shapes(
                 break
 
 
+def check_outputs(model_path: Path, outputs: Sequence[str], c: _Collector) -> None:
+    """Every tensor named in ``model.outputs`` is computed somewhere in the graph."""
+    try:
+        graph = _graph(model_path).graph
+    except Exception:
+        return  # check_shapes reports an unreadable model
+    known = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+    for i, name in enumerate(outputs):
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            c.error(("model", "outputs", i), f"the model computes no tensor {name!r}{hint}")
+
+
 def check_backend(
     backend: str,
     precisions: Sequence[str],

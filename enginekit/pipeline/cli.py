@@ -91,6 +91,8 @@ _SINGLE_BUILD_DEFAULTS = {
     "objective": None,
     "bench_duration": None,
     "candidate": None,
+    "no_simplify": False,
+    "outputs": None,
 }
 
 

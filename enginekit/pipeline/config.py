@@ -71,6 +71,7 @@ class ModelSpec:
         name: artifact name prefix.
         export_options: keyword options for enginekit.export.
         python_path: folders put first on sys.path to import the entry.
+        outputs: build only the subgraph computing these tensors (empty: the model's outputs).
     """
 
     source: str
@@ -79,6 +80,7 @@ class ModelSpec:
     name: str
     export_options: Mapping[str, Any]
     python_path: tuple[Path, ...]
+    outputs: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,9 +231,10 @@ def _build(file: Path, digest: str, data: dict[str, Any], c: _Collector) -> Pipe
     profiles = _profiles(data.get("shapes"), c)
     calibration = _calibration(root, data.get("calibration"), c)
     if model is not None and model.path is not None:
-        from enginekit.pipeline.checks import check_shapes
+        from enginekit.pipeline.checks import check_outputs, check_shapes
 
         check_shapes(model.path, profiles, c)
+        check_outputs(model.path, model.outputs, c)
     entries = _entries(data.get("engine") or [], profiles, calibration, model, c)
     gates = _gates(data.get("gates") or {}, entries, c)
     bench = _bench(data.get("bench") or {})
@@ -246,6 +249,7 @@ def _model(root: Path, table: dict[str, Any] | None, c: _Collector) -> ModelSpec
     source = table["source"]
     export = dict(table.get("export") or {})
     python_path = tuple(root / p for p in (table.get("python_path") or ["."]))
+    outputs = tuple(table.get("outputs") or ())
     candidate = root / source
     if ENTRY_POINT.fullmatch(source) and not candidate.exists():
         module = source.partition(":")[0]
@@ -255,7 +259,7 @@ def _model(root: Path, table: dict[str, Any] | None, c: _Collector) -> ModelSpec
         if problem:
             c.error(("model", "source"), problem)
         name = table.get("name") or module.rpartition(".")[2]
-        return ModelSpec(source, None, source, name, export, python_path)
+        return ModelSpec(source, None, source, name, export, python_path, outputs)
     if not candidate.is_file():
         what = "is a folder, not an ONNX file" if candidate.is_dir() else "does not exist"
         c.error(
@@ -267,7 +271,8 @@ def _model(root: Path, table: dict[str, Any] | None, c: _Collector) -> ModelSpec
     if export:
         c.warn(("model", "export"), "export options apply to exporter entries only; ignored")
     name = table.get("name") or candidate.stem
-    return ModelSpec(source, Path(os.path.normpath(candidate)), None, name, {}, python_path)
+    path = Path(os.path.normpath(candidate))
+    return ModelSpec(source, path, None, name, {}, python_path, outputs)
 
 
 def _profiles(value: Any, c: _Collector) -> tuple[dict[str, ShapeProfile], ...]:
@@ -376,6 +381,8 @@ def _entries(
                         rtol=t.get("rtol"),
                         seed=t.get("seed") or 0,
                         options=entry_options,
+                        simplify=t.get("simplify", True),
+                        outputs=model.outputs if model is not None else (),
                     )
                 except EnginekitError as exc:
                     c.error((*key, "device"), str(exc))

@@ -169,6 +169,14 @@ SPEC = Table(
                             "first on sys.path to import the entry; default: this file's folder",
                         )
                     ),
+                    "outputs": Key(
+                        ListOf(
+                            Str(),
+                            doc="build only the subgraph computing these tensors (intermediate "
+                            "ones too; for debugging a mismatch); default: the model's outputs",
+                            min_items=1,
+                        )
+                    ),
                 },
                 doc="the model to build engines from",
             ),
@@ -209,6 +217,13 @@ SPEC = Table(
                         "rtol": Key(Num("verification relative tolerance", minimum=0)),
                         "seed": Key(
                             Num("seed of the verification inputs", integer=True), default=0
+                        ),
+                        "simplify": Key(
+                            Bool(
+                                "simplify the graph first (constant folding, dead nodes, shape "
+                                "inference)"
+                            ),
+                            default=True,
                         ),
                     },
                     doc="one matrix row: a backend with its precisions and layouts",

@@ -270,3 +270,22 @@ def test_github_annotations_point_at_the_line(project):
     r = cli("validate", "-c", str(bad), env={**os.environ, "GITHUB_ACTIONS": "true"})
     assert r.returncode == 2
     assert f"::error file={bad},line=2::" in r.stdout
+
+
+def test_simplify_and_outputs_map_onto_the_build_config(project):
+    path = project.write(
+        f"""
+        [model]
+        source = "mlp.onnx"
+        outputs = ["output"]
+        {MLP_SHAPES}
+        [[engine]]
+        backend = "onnxruntime"
+        simplify = false
+        """
+    )
+    config = load(path).entries[0].config
+    assert (config.simplify, config.outputs) == (False, ("output",))
+    bad = project.write(path.read_text().replace('["output"]', '["outptu"]'), "bad.toml")
+    (msg,) = problems(bad)
+    assert msg.startswith("bad.toml:3: model.outputs[0]: the model computes no tensor 'outptu'")

@@ -224,13 +224,14 @@ def test_failed_entry_does_not_stop_the_others(project, broken_backend):
 
 
 def without_times(data):
-    """A manifest without its timestamps (``created``) and durations (numbers under keys
-    ending in ``_s``, the project's naming of seconds)."""
+    """A manifest without its timestamps (``created``) and durations (numbers under keys named
+    ``seconds`` or ending in ``_s``, the project's naming of seconds)."""
     if isinstance(data, dict):
         return {
             k: without_times(v)
             for k, v in data.items()
-            if k != "created" and not (k.endswith("_s") and isinstance(v, (int, float)))
+            if k != "created"
+            and not ((k == "seconds" or k.endswith("_s")) and isinstance(v, (int, float)))
         }
     if isinstance(data, list):
         return [without_times(v) for v in data]
