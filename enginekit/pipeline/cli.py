@@ -128,11 +128,11 @@ def cmd_build_config(args: argparse.Namespace) -> int:
         )
     except ConfigError as exc:
         return _config_errors(exc)
-    if args.json:
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        from enginekit.pipeline.report import markdown
+    from enginekit.pipeline.report import markdown, strict_json
 
+    if args.json:
+        print(json.dumps(strict_json(report), indent=2, default=str))
+    else:
         print(markdown(report))
     if _github():
         for r in report["regressions"]:

@@ -406,14 +406,14 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def _strict_json(value: Any) -> Any:
+def strict_json(value: Any) -> Any:
     """Non-finite floats (an infinite error) become None: strict JSON has neither."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, Mapping):
-        return {k: _strict_json(v) for k, v in value.items()}
+        return {k: strict_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
+        return [strict_json(v) for v in value]
     return value
 
 
@@ -422,7 +422,7 @@ def write(report: Mapping[str, Any], out_dir: Path) -> tuple[Path, Path]:
     ``$GITHUB_STEP_SUMMARY`` when that is set (GitHub Actions)."""
     json_path, md_path = out_dir / "report.json", out_dir / "report.md"
     text = markdown(report)
-    strict = json.dumps(_strict_json(report), indent=2, default=str, allow_nan=False)
+    strict = json.dumps(strict_json(report), indent=2, default=str, allow_nan=False)
     _atomic_write(json_path, strict + "\n")
     _atomic_write(md_path, text)
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
