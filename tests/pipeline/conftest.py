@@ -1,65 +1,28 @@
-"""Fixtures for CI pipeline tests: a project folder holding the tiny MLP and a build file."""
+"""Fixtures of the CI pipeline tests (helpers live in helpers.py; this folder is a package so
+that its conftest does not take the place of tests/conftest.py as the module ``conftest``)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).parent.parent
-
-#: [shapes] of the MLP test model (x: [batch, 16]).
-MLP_SHAPES = '[shapes]\nx = ["1x16", "4x16", "8x16"]\n'
-
-
-class Project:
-    """A folder with ``mlp.onnx``; ``write(toml)`` writes ``enginekit.toml`` there."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def write(self, text: str, name: str = "enginekit.toml") -> Path:
-        path = self.root / name
-        path.write_text(textwrap.dedent(text).lstrip(), encoding="utf-8")
-        return path
+from .helpers import Project
 
 
 @pytest.fixture
 def project(tmp_path: Path, mlp_path: Path) -> Project:
+    """A folder holding the tiny MLP as mlp.onnx; ``project.write(toml)`` writes the build file."""
+    import shutil
+
     shutil.copy(mlp_path, tmp_path / "mlp.onnx")
     return Project(tmp_path)
 
 
-def cli(
-    *args: str, cwd: Path | None = None, prelude: str = "", env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """The enginekit command in a fresh process (exit codes are what a CI job sees)."""
-    # The checkout under test comes first, whatever the working directory.
-    code = (
-        f"import sys; sys.path[:0] = [{str(TESTS.parent)!r}, {str(TESTS)!r}]; {prelude}"
-        "from enginekit.cli import main; sys.exit(main(sys.argv[1:]))"
-    )
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-        env=env,
-    )
-
-
-#: Registers the deliberately broken test backend (tests/broken_backend.py) in a subprocess.
-BROKEN = "from enginekit.backends import _BUILTIN; _BUILTIN['broken'] = 'broken_backend'; "
-
-
 @pytest.fixture
 def broken_backend(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """Registers tests/broken_backend.py, whose engines disagree with the reference."""
     from enginekit import backends
 
     monkeypatch.setitem(backends._BUILTIN, "broken", "broken_backend")

@@ -11,13 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import MLP_SHAPES, TESTS
 
 from enginekit.artifact import open_artifact
 from enginekit.cli import main
 from enginekit.errors import EnginekitError
 from enginekit.pipeline import Cache, run
 from enginekit.pipeline.cache import parse_age, parse_size
+
+from .helpers import MLP_SHAPES, TESTS
 
 KEYS = [f"{i:x}" * 64 for i in range(1, 4)]
 

@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import MLP_SHAPES, cli
 
 from enginekit import BuildConfig
 from enginekit.config import normalize_shapes
 from enginekit.pipeline.config import ConfigError, load
+
+from .helpers import MLP_SHAPES, cli
 
 
 def problems(path) -> list[str]:

@@ -9,11 +9,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import MLP_SHAPES
 
 import enginekit as ek
 from enginekit import backends
 from enginekit.pipeline import run
+
+from .helpers import MLP_SHAPES
 
 NO_BENCH = "[bench]\nenabled = false\n"
 

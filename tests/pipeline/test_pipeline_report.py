@@ -6,11 +6,12 @@ import json
 import os
 
 import pytest
-from conftest import BROKEN, MLP_SHAPES, cli
 
 from enginekit import backends
 from enginekit.pipeline import ConfigError, run
 from enginekit.pipeline.report import accuracy, load_baseline
+
+from .helpers import BROKEN, MLP_SHAPES, cli
 
 FAST_BENCH = "[bench]\nbatch_sizes = [1, 4]\nduration = 0.05\nrounds = 1\nwarmup = 0.0\n"
 NO_BENCH = "[bench]\nenabled = false\n"
