@@ -277,15 +277,20 @@ def make_net():
 
 
 @pytest.mark.slow
-def test_exporter_entry_is_exported_then_built(project):
+def test_exporter_entry_is_exported_then_built(project, monkeypatch):
     pytest.importorskip("torch", reason="the exporter entry returns a torch module")
-    (project.root / "zoo").mkdir()
-    (project.root / "zoo" / "__init__.py").write_text("")
-    (project.root / "zoo" / "nets.py").write_text(ZOO)
+    import sys
+
+    (project.root / "cizoo").mkdir()
+    (project.root / "cizoo" / "__init__.py").write_text("")
+    (project.root / "cizoo" / "nets.py").write_text(ZOO)
+    for name in ("cizoo", "cizoo.nets"):  # imported by this test only; gone afterwards
+        monkeypatch.setitem(sys.modules, name, None)
+        monkeypatch.delitem(sys.modules, name)
     path = project.write(
         f"""
         [model]
-        source = "zoo.nets:make_net"
+        source = "cizoo.nets:make_net"
         export = {{ dynamic_batch = true }}
         {MLP_SHAPES}
         [[engine]]
