@@ -93,6 +93,13 @@ _SINGLE_BUILD_DEFAULTS = {
     "candidate": None,
     "no_simplify": False,
     "outputs": None,
+    "calibration": None,
+    "calib_data": None,
+    "calib_method": "entropy",
+    "verify_data": None,
+    "min_top1_agreement": None,
+    "max_abs_error": None,
+    "allow_table_mismatch": False,
 }
 
 

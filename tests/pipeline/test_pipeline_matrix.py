@@ -3,6 +3,7 @@ unavailable backends skipped, parallel builds in spawned processes, reproducible
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import zipfile
@@ -325,3 +326,54 @@ def test_skipped_entry_leaves_no_stale_artifact(project, broken_backend):
     report = run(project.write(strict), out=out)
     assert report["entries"][0]["status"] == "failed"
     assert not (out / "mlp-broken-fp32.ekit").exists()
+
+
+def int8_ready() -> bool:
+    return "calib_data" in inspect.signature(ek.build).parameters and "int8" in getattr(
+        backends.get("onnxruntime"), "PRECISIONS", ()
+    )
+
+
+@pytest.mark.skipif(not int8_ready(), reason="needs enginekit's INT8 calibration")
+def test_int8_entry_is_calibrated_gated_and_keyed_by_its_data(project):
+    import numpy as np
+
+    calib = project.root / "calib"
+    calib.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        np.save(calib / f"b{i}.npy", rng.standard_normal((16, 16)).astype(np.float32))
+    path = project.write(
+        f"""
+        [model]
+        source = "mlp.onnx"
+        {MLP_SHAPES}
+        [[engine]]
+        backend = "onnxruntime"
+        precision = ["fp32", "int8"]
+        [calibration]
+        data = "calib/*.npy"
+        method = "minmax"
+        [gates]
+        max_abs_error = {{ fp32 = 1e-4, int8 = 0.5 }}
+        min_top1_agreement = {{ int8 = 0.5 }}
+        {NO_BENCH}
+        """
+    )
+    out, cache = project.root / "dist", project.root / "cache"
+    report = run(path, out=out, cache=cache)
+    fp32, int8 = report["entries"]
+    assert fp32["status"] == int8["status"] == "built", int8["reason"]
+    assert (
+        "held-out" in int8["accuracy"]["data"]
+        and fp32["accuracy"]["data"] != int8["accuracy"]["data"]
+    )
+    assert int8["accuracy"]["top1_agreement"] is not None
+    assert {g["gate"] for g in int8["gates"]} == {"max_abs_error", "min_top1_agreement"}
+    assert report["exit_code"] == 0, report["regressions"]
+    with ek.load(out / f"{int8['id']}.ekit") as engine:
+        assert engine.manifest["calibration"] is not None
+    assert [e["cache"] for e in run(path, out=out, cache=cache)["entries"]] == ["hit", "hit"]
+    np.save(calib / "b0.npy", rng.standard_normal((16, 16)).astype(np.float32))
+    again = run(path, out=out, cache=cache)
+    assert [e["cache"] for e in again["entries"]] == ["hit", "miss"]  # only int8 reads the data
