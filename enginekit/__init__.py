@@ -13,12 +13,14 @@ __version__ = "0.1.0"
 
 from enginekit.backends import Availability
 from enginekit.build import build, load
+from enginekit.calibration import CalibrationTable, calibrate
 from enginekit.config import BuildConfig, Precision, ShapeProfile, parse_shapes
 from enginekit.engine import Engine, TensorSpec
 from enginekit.errors import (
     ArtifactError,
     BackendUnavailable,
     BuildError,
+    CalibrationError,
     EngineInputError,
     EnginekitError,
     ExportError,
@@ -42,6 +44,8 @@ __all__ = [
     "BackendUnavailable",
     "BuildConfig",
     "BuildError",
+    "CalibrationError",
+    "CalibrationTable",
     "Engine",
     "EngineInputError",
     "EnginekitError",
@@ -55,6 +59,7 @@ __all__ = [
     "__version__",
     "available_backends",
     "build",
+    "calibrate",
     "export",
     "lint_batch",
     "load",

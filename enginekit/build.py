@@ -17,7 +17,9 @@ from typing import Any
 
 from enginekit import __version__, backends, target
 from enginekit.artifact import FORMAT_VERSION, Artifact, open_artifact, write_artifact
-from enginekit.config import BuildConfig, ShapeProfile, ShapesArg, normalize_shapes
+from enginekit.calibration import plan
+from enginekit.calibration.accuracy import Gates
+from enginekit.config import BuildConfig, Precision, ShapeProfile, ShapesArg, normalize_shapes
 from enginekit.engine import Engine
 from enginekit.errors import ArtifactError, BackendUnavailable, BuildError, VerificationError
 from enginekit.model import Model, ModelSource, load_model
@@ -92,6 +94,14 @@ def build(
     atol: float | None = None,
     rtol: float | None = None,
     config: BuildConfig | None = None,
+    *,
+    calibration: Any = None,
+    calib_data: Any = None,
+    calib_method: str = "entropy",
+    verify_data: Any = None,
+    min_top1_agreement: float | None = None,
+    max_abs_error: float | None = None,
+    allow_table_mismatch: bool = False,
     **options: Any,
 ) -> Engine:
     """Build an engine from an ONNX model, verify it, optionally write the artifact, return it.
@@ -107,6 +117,14 @@ def build(
         verify: compare with ONNX Runtime CPU at build time; a mismatch raises VerificationError.
         atol, rtol: verification tolerance (default: the precision's).
         config: a complete BuildConfig instead of the arguments above.
+        calibration: int8: a CalibrationTable or the path of its JSON (``enginekit calibrate``).
+        calib_data: int8: calibration data to calibrate on the fly (any source
+            ``enginekit.calibrate`` takes); every 10th sample is held out for verification.
+        calib_method: int8 with calib_data: entropy (default), percentile or minmax.
+        verify_data: int8: data to verify the engine on against the float32 model.
+        min_top1_agreement, max_abs_error: accuracy gates on the verification data (int8); a
+            miss raises VerificationError.
+        allow_table_mismatch: accept a calibration table made for another model hash.
         **options: backend options (``enginekit backends --json`` lists each backend's).
 
     Raises:
@@ -128,12 +146,18 @@ def build(
     be = backends.require(config.backend, config.device)
     backends.check_options(be, config.options)
     check_profiles(model, config.profiles)
+    quant = plan.Quantization(
+        calibration, calib_data, calib_method, verify_data,
+        Gates(min_top1_agreement, max_abs_error), allow_table_mismatch,
+    )  # fmt: skip
+    plan.check_precision(be, config)
+    prepared = plan.prepare(model, config, be, quant)
     version = be.available().version
     workdir = Path(tempfile.mkdtemp(prefix="enginekit-build-"))
     try:
         start = time.perf_counter()
         with step(f"building {config.backend} engine"):
-            result = be.build(model, config, workdir)
+            result = be.build(prepared.model, config, workdir)
         build_s = time.perf_counter() - start
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -154,8 +178,8 @@ def build(
             "outputs": [s.to_json() for s in model.outputs],
             "profiles": config.to_json()["profiles"],
             "precision": config.precision.value,
-            "calibration": None,
-            "build_key": build_key(model, config, version),
+            "calibration": prepared.entry,
+            "build_key": build_key(model, config, version, prepared.table_hash),
             "build": {
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds"
@@ -171,7 +195,17 @@ def build(
         )
         _stage_layout(workdir, result.files)
         engine = be.load(staged, config.device)
-        if config.verify:
+        if config.verify and config.precision == Precision.INT8:
+            report = plan.verify(engine, model, config, prepared, quant)
+            manifest["verify"] = report
+            if not report["passed"]:
+                engine.close()
+                raise VerificationError(
+                    f"the int8 {config.backend} engine fails its accuracy gates on "
+                    f"{report['data']}: {'; '.join(report['failures'])}",
+                    report,
+                )
+        elif config.verify:
             with step("verifying against ONNX Runtime CPU"):
                 report = verify_engine(engine, model, config)
             manifest["verify"] = report
