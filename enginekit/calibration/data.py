@@ -211,7 +211,9 @@ def _check(
         )
     rank = len(spec.shape)
     if array.ndim == rank - 1 and rank and not isinstance(spec.shape[0], int):
-        array = array[None]  # one sample without its batch axis
+        fits = all(not isinstance(w, int) or d == w for d, w in zip(array.shape, spec.shape[1:]))
+        if fits:
+            array = array[None]  # one sample without its batch axis
     if array.ndim != rank:
         raise CalibrationError(
             f"calibration data for input {spec.name!r}: shape {array.shape} (rank "

@@ -25,6 +25,9 @@ DEFAULT_PERCENTILE = 99.99
 QUANT_LEVELS = 128
 #: Entropy thresholds start here (fewer kept bins than quantized levels cannot be right).
 START_BIN = 128
+#: The entropy threshold never clips more than this percentage of a tensor's values: on a sparse
+#: histogram (few values, or all far from zero) KL can favour a threshold clipping nearly all.
+ENTROPY_MAX_CLIP = 1.0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -208,6 +211,8 @@ def entropy_amax(hist: Histogram, levels: int = QUANT_LEVELS, start_bin: int = S
     log_q_last = np.where(last > 0, np.log(np.where(last > 0, q_last, 1.0)), math.log(1e-12))
     q_term = per_level.sum(axis=1) + clipped * log_q_last
     kl = (p_term - q_term) / total - math.log(total)
+    # No kept mass (a tensor far from zero): Q is undefined there, never a candidate.
+    kl = np.where(kept > 0, kl, np.inf)
     best = len(kl) - 1 - int(np.argmin(kl[::-1]))
     return int(i[best]) * hist.width
 
@@ -241,7 +246,7 @@ def threshold(
     if hist is None:
         raise CalibrationError(f"method {method!r} needs histograms; this table has none")
     if method == "entropy":
-        amax = entropy_amax(hist)
+        amax = max(entropy_amax(hist), percentile_amax(hist, 100.0 - ENTROPY_MAX_CLIP))
     elif method == "percentile":
         amax = percentile_amax(hist, percentile)
     else:

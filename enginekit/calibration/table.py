@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import os
-import tempfile
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -277,14 +277,14 @@ class CalibrationTable:
             histograms: keep the histograms (needed by :meth:`with_method`; most of the size).
         """
         path = Path(path)
-        text = json.dumps(self.to_json(histograms), indent=1)
-        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+        text = _dumps(self.to_json(histograms))
+        # A sibling temp file (normal permissions, same filesystem), renamed into place.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
+            tmp.write_text(text, encoding="utf-8")
             os.replace(tmp, path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
         return path
 
@@ -308,6 +308,23 @@ class CalibrationTable:
                 "enginekit calibrate <model.onnx> --data <data> -o " + str(path)
             ) from None
         return cls.from_json(data, source=str(path))
+
+
+def _dumps(data: Mapping[str, Any]) -> str:
+    """JSON with one line per key, and per tensor/weight entry: readable, and compact even with
+    thousands of histogram counts."""
+    lines = []
+    for key, value in data.items():
+        if isinstance(value, Mapping) and key in ("tensors", "weights"):
+            entries = [
+                f"  {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}"
+                for k, v in value.items()
+            ]
+            body = "{\n" + ",\n".join(entries) + "\n }" if entries else "{}"
+            lines.append(f" {json.dumps(key)}: {body}")
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def as_table(source: CalibrationTable | str | os.PathLike) -> CalibrationTable:

@@ -50,6 +50,7 @@ def write_qdq(
     op_types: Sequence[str] | None = None,
     exclude_nodes: Sequence[str] = (),
     allow_table_mismatch: bool = False,
+    symbolic_shapes: bool = False,
 ) -> onnx.ModelProto:
     """A Q/DQ ONNX model quantized with the table's ranges; standard ``ai.onnx`` ops only.
 
@@ -66,6 +67,8 @@ def write_qdq(
         op_types: op types to quantize (default: the style's).
         exclude_nodes: node names to leave in float.
         allow_table_mismatch: accept a table made for another model hash.
+        symbolic_shapes: run ORT's symbolic shape inference first (for models whose shapes
+            ONNX shape inference cannot work out; it imports torch, ~10 s).
 
     Raises:
         CalibrationError: a table for another model, a model already holding Q/DQ, or a
@@ -103,7 +106,9 @@ def write_qdq(
         cache = Path(tmp) / "ranges.json"
         onnx.save_model(m.proto, str(src))
         # skip_optimization keeps tensor names (the table's keys) and standard-domain ops.
-        quant_pre_process(str(src), str(pre), skip_optimization=True)
+        quant_pre_process(
+            str(src), str(pre), skip_optimization=True, skip_symbolic_shape=not symbolic_shapes
+        )
         save_tensors_data(TensorsData(CalibrationMethod.MinMax, ranges), cache)
         try:
             quantize_static(
