@@ -18,7 +18,9 @@ def tiny_cnn(seed: int = 0, classes: int = 4) -> onnx.ModelProto:
     rng = np.random.default_rng(seed)
 
     def init(name: str, *shape: int, scale: float = 0.3) -> onnx.TensorProto:
-        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+        return numpy_helper.from_array(
+            (rng.standard_normal(shape) * scale).astype(np.float32), name
+        )
 
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),

@@ -38,7 +38,10 @@ def _entropy_by_loops(counts: np.ndarray, width: float, levels: int = 128, start
             j = k * levels // i
             level_sum[j] += counts[k]
             level_bins[j] += counts[k] > 0
-        q = [level_sum[k * levels // i] / level_bins[k * levels // i] if counts[k] else 0.0 for k in range(i)]
+        q = [
+            level_sum[k * levels // i] / level_bins[k * levels // i] if counts[k] else 0.0
+            for k in range(i)
+        ]
         sp, sq = sum(p), sum(q)
         kl = 0.0
         for pk, qk in zip(p, q):

@@ -71,7 +71,9 @@ def test_tensorrt_style_scales_come_from_the_table_with_int8_zero_points(trt_qdq
 def test_weights_per_channel_symmetric_and_biases_left_in_float(trt_qdq, tiny_table):
     inits = _inits(trt_qdq)
     dq_of = {n.output[0]: n for n in trt_qdq.graph.node if n.op_type == "DequantizeLinear"}
-    conv1 = next(n for n in trt_qdq.graph.node if n.op_type == "Conv" and n.name.startswith("conv1"))
+    conv1 = next(
+        n for n in trt_qdq.graph.node if n.op_type == "Conv" and n.name.startswith("conv1")
+    )
     weight_dq = dq_of[conv1.input[1]]
     assert inits[weight_dq.input[0]].dtype == np.int8
     w_scale = inits[weight_dq.input[1]]
