@@ -105,7 +105,7 @@ class Artifact:
             raise ArtifactError(
                 f"{self.path}: the manifest lists no payload {name!r} (it has {', '.join(payload) or 'none'})"
             )
-        return payload[name]  # type: ignore[no-any-return]
+        return payload[name]
 
 
 def _read_manifest_text(path: Path) -> str:

@@ -11,7 +11,6 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -270,10 +269,3 @@ def load(path: str | os.PathLike, device: str | None = None) -> Engine:
     engine = be.load(artifact, str(device))
     engine.manifest = manifest
     return engine
-
-
-def describe_shapes(profiles: Mapping[str, Any]) -> str:
-    """trtexec-style text of a manifest's profiles (for CLI output)."""
-    return " ".join(
-        f"{n}:{','.join('x'.join(map(str, s)) for s in v)}" for p in profiles for n, v in p.items()
-    )

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from enginekit.errors import BuildError
 
@@ -75,13 +75,7 @@ class ShapeProfile:
 #: One optimization profile: input name -> the shapes it accepts.
 Profile = Mapping[str, ShapeProfile]
 
-ShapesArg = Union[
-    Mapping[str, Any],
-    Sequence[Mapping[str, Any]],
-    str,
-    Sequence[str],
-    None,
-]
+ShapesArg = Mapping[str, Any] | Sequence[Mapping[str, Any]] | str | Sequence[str] | None
 
 
 def _as_profile(name: str, value: Any) -> ShapeProfile:
@@ -163,7 +157,7 @@ def normalize_shapes(shapes: ShapesArg) -> tuple[dict[str, ShapeProfile], ...]:
         return parse_shapes(shapes)
     if isinstance(shapes, Mapping):
         return ({str(k): _as_profile(str(k), v) for k, v in shapes.items()},)
-    seq = list(shapes)
+    seq: list[Any] = list(shapes)
     if all(isinstance(s, str) for s in seq):
         return parse_shapes(seq)
     if all(isinstance(s, Mapping) for s in seq):

@@ -69,7 +69,7 @@ def verify_engine(engine: Engine, model: Model, config: BuildConfig) -> dict[str
     atol, rtol = config.tolerance
     session = reference_session(model)
     names = [o.name for o in model.outputs]
-    cases = []
+    cases: list[dict[str, Any]] = []
     for i, shapes in enumerate(verification_points(model, engine.profiles)):
         feeds = random_feeds(model.inputs, shapes, seed=config.seed + i)
         ref = dict(zip(names, session.run(names, feeds)))

@@ -27,7 +27,7 @@ class Case:
         """Random inputs with ``batch`` rows (and ``seq`` tokens for sequence inputs)."""
         rng = np.random.default_rng(seed)
         out = {}
-        for name, (lo, opt, _) in self.shapes.items():
+        for name, (_lo, opt, _) in self.shapes.items():
             shape = list(opt)
             shape[0] = batch
             if seq is not None and len(shape) > 1 and 1 in self.dynamic_dims.get(name, {}):

@@ -115,7 +115,7 @@ def get(name: str) -> Backend:
         if isinstance(backend, str):
             backend = importlib.import_module(backend)
     _loaded[name] = backend
-    return backend  # type: ignore[no-any-return]
+    return backend
 
 
 def availability(name: str) -> Availability:

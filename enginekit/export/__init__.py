@@ -51,7 +51,7 @@ def export(
     """
     for mod in exporters().values():
         if mod.accepts(model):
-            return mod.export(model, args, Path(path), **options)  # type: ignore[no-any-return]
+            return mod.export(model, args, Path(path), **options)
     raise ExportError(
         f"no exporter accepts a {type(model).__module__}.{type(model).__qualname__}; "
         f"registered exporters: {', '.join(exporters())}. Export it to ONNX yourself and "
