@@ -1,7 +1,7 @@
 """Run the float model on calibration batches and feed every activation to an observer.
 
 The model is copied with every floating-point activation made a graph output (ONNX Runtime
-then keeps each one, unfused), and run on CPU one batch at a time: memory holds one batch's
+then keeps each one), and run on CPU one batch at a time: memory holds one batch's
 activations, never the dataset.
 """
 
@@ -70,11 +70,12 @@ def augmented(proto: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 
 def session(proto: onnx.ModelProto, threads: int = 0) -> Any:
-    """An ONNX Runtime CPU session, optimizations off so every tensor is what the graph says."""
+    """An ONNX Runtime CPU session; basic optimizations only (exact: constant folding and fusions
+    that keep every graph output), so every tensor is what the float graph computes."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     so.intra_op_num_threads = threads
     so.log_severity_level = 3
     try:

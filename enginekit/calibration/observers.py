@@ -112,11 +112,10 @@ class RangeObserver:
             self._add(np.abs(x))
 
     def _add(self, a: np.ndarray) -> None:
-        nonzero = a[a > 0]
-        self._zeros += a.size - nonzero.size
-        if nonzero.size == 0:
+        top = float(a.max())
+        if top == 0.0:
+            self._zeros += a.size
             return
-        top = float(nonzero.max())
         if self._width == 0.0:
             self._width = top / self.bins
             self._counts = np.zeros(self.bins, np.int64)
@@ -124,14 +123,17 @@ class RangeObserver:
         while needed > 2 * self.bins:
             self._merge_pairs()
             needed = max(1, math.ceil(top / self._width))
-        if needed > len(self._counts):
-            self._counts = np.concatenate(
-                [self._counts, np.zeros(needed - len(self._counts), np.int64)]
-            )
-        # Bin k holds (k*w, (k+1)*w]; values within rounding of the top edge go to the last bin.
-        index = np.ceil(nonzero / np.float32(self._width)).astype(np.int64) - 1
-        np.clip(index, 0, len(self._counts) - 1, out=index)
-        self._counts += np.bincount(index, minlength=len(self._counts))
+        n = max(needed, len(self._counts))
+        if n > len(self._counts):
+            self._counts = np.concatenate([self._counts, np.zeros(n - len(self._counts), np.int64)])
+        # In place on the |x| copy: bin k+1 holds (k*w, (k+1)*w], slot 0 the exact zeros; values
+        # within rounding of the top edge go to the last bin.
+        np.multiply(a, np.float32(1.0 / self._width), out=a)
+        np.ceil(a, out=a)
+        np.minimum(a, np.float32(n), out=a)
+        slots = np.bincount(a.astype(np.intp), minlength=n + 1)
+        self._zeros += int(slots[0])
+        self._counts += slots[1:]
 
     def _merge_pairs(self) -> None:
         counts = self._counts
