@@ -132,6 +132,8 @@ def write_qdq(
                 "was the table made for this model? Recalibrate it"
             ) from None
         proto = onnx.load_model(str(out))
+    if trt:
+        _residual_adds(proto)
     _check_standard_domain(proto)
     proto.doc_string = (
         f"Q/DQ ({style}) by enginekit from calibration table {table.sha256[:16]} "
@@ -140,6 +142,60 @@ def write_qdq(
     if path is not None:
         Model(proto, None, "", (), ()).save(path)
     return proto
+
+
+_WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def _residual_adds(proto: onnx.ModelProto) -> None:
+    """Leave a residual Add's weighted-op input unquantized, as TensorRT wants it.
+
+    ORT quantizes both inputs of an Add. TensorRT fuses ``Add(conv(x), DQ(Q(skip)))`` into the
+    Conv when only the skip branch carries Q/DQ; a Q/DQ pair on the Conv's own output would
+    make it a separate int8 op. Where both inputs come from weighted ops (a downsampling
+    block), the second (the residual branch, by PyTorch's ``out + identity``) keeps its pair.
+    Written by hand: ORT's quantizer has no per-input placement.
+    """
+    nodes = list(proto.graph.node)
+    producer = {o: n for n in nodes for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in nodes:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+
+    def quantized(name: str) -> tuple[str, onnx.NodeProto, onnx.NodeProto] | None:
+        """(float tensor, Q, DQ) when ``name`` is DQ(Q(tensor))."""
+        dq = producer.get(name)
+        if dq is None or dq.op_type != "DequantizeLinear":
+            return None
+        q = producer.get(dq.input[0])
+        if q is None or q.op_type != "QuantizeLinear":
+            return None
+        return q.input[0], q, dq
+
+    dropped: set[int] = set()
+    for add in nodes:
+        if add.op_type != "Add" or len(add.input) != 2:
+            continue
+        pairs = [quantized(i) for i in add.input]
+        if pairs[0] is None or pairs[1] is None:
+            continue
+        weighted = [
+            k for k, p in enumerate(pairs)
+            if p is not None and getattr(producer.get(p[0]), "op_type", "") in _WEIGHTED
+        ]  # fmt: skip
+        if not weighted:
+            continue
+        k = weighted[0]
+        tensor, q, dq = pairs[k]  # type: ignore[misc]
+        # Only a pair that exists for this Add alone is removed.
+        if [len(consumers[t]) for t in (tensor, q.output[0], dq.output[0])] != [1, 1, 1]:
+            continue
+        add.input[k] = tensor
+        dropped.update((id(q), id(dq)))
+    kept = [n for n in nodes if id(n) not in dropped]
+    del proto.graph.node[:]
+    proto.graph.node.extend(kept)
 
 
 def _check_standard_domain(proto: onnx.ModelProto) -> None:
