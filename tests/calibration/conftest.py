@@ -13,8 +13,9 @@ from onnx import TensorProto, helper, numpy_helper
 import enginekit as ek
 
 
-def tiny_cnn(seed: int = 0, classes: int = 4) -> onnx.ModelProto:
-    """x[batch,3,8,8] -> Conv+Relu -> Conv -> Add(residual) -> Relu -> GAP -> Flatten -> Gemm."""
+def tiny_cnn(seed: int = 0, classes: int = 4, size: int = 8) -> onnx.ModelProto:
+    """x[batch,3,size,size] -> Conv+Relu -> Conv -> Add(residual) -> Relu -> GAP -> Flatten ->
+    Gemm."""
     rng = np.random.default_rng(seed)
 
     def init(name: str, *shape: int, scale: float = 0.3) -> onnx.TensorProto:
@@ -35,7 +36,7 @@ def tiny_cnn(seed: int = 0, classes: int = 4) -> onnx.ModelProto:
     graph = helper.make_graph(
         nodes,
         "tiny_cnn",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, size, size])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
         [
             init("w1", 8, 3, 3, 3),
