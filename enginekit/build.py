@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -11,6 +12,7 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from enginekit.config import BuildConfig, Precision, ShapeProfile, ShapesArg, no
 from enginekit.engine import Engine
 from enginekit.errors import ArtifactError, BackendUnavailable, BuildError, VerificationError
 from enginekit.model import Model, ModelSource, load_model
+from enginekit.passes import PassRecord, count_nodes, prepare
 from enginekit.progress import step
 from enginekit.verify import summarize, verify_engine
 
@@ -93,6 +96,8 @@ def build(
     atol: float | None = None,
     rtol: float | None = None,
     config: BuildConfig | None = None,
+    simplify: bool = True,
+    outputs: Sequence[str] = (),
     *,
     calibration: Any = None,
     calib_data: Any = None,
@@ -116,6 +121,9 @@ def build(
         verify: compare with ONNX Runtime CPU at build time; a mismatch raises VerificationError.
         atol, rtol: verification tolerance (default: the precision's).
         config: a complete BuildConfig instead of the arguments above.
+        simplify: fold constants and simplify the graph first (recorded in manifest["passes"]);
+            verification still compares with the model as given.
+        outputs: build only the subgraph computing these tensors, for debugging a mismatch.
         calibration: int8: a CalibrationTable or the path of its JSON (``enginekit calibrate``).
         calib_data: int8: calibration data to calibrate on the fly (any source
             ``enginekit.calibrate`` takes); every 10th sample is held out for verification.
@@ -125,10 +133,37 @@ def build(
             miss raises VerificationError.
         allow_table_mismatch: accept a calibration table made for another model hash.
         **options: backend options (``enginekit backends --json`` lists each backend's).
+            With ``backend="auto"`` also ``candidates``, ``precisions``, ``objective``,
+            ``bench_duration``: see :func:`enginekit.choose.build_auto`.
 
     Raises:
         BuildError, VerificationError, BackendUnavailable, ModelError.
     """
+    quant = plan.Quantization(
+        calibration, calib_data, calib_method, verify_data,
+        Gates(min_top1_agreement, max_abs_error), allow_table_mismatch,
+    )  # fmt: skip
+    if (config.backend if config is not None else backend) == "auto":
+        from enginekit.choose import build_auto
+
+        if quant != plan.Quantization():
+            raise BuildError(
+                "calibration, calib_data, verify_data and the accuracy gates apply to one "
+                "backend's int8 build; name the backend instead of 'auto'"
+            )
+        if (
+            outputs
+            or not simplify
+            or (config is not None and (config.outputs or not config.simplify))
+        ):
+            raise BuildError(
+                "simplify=False and outputs= apply to one backend's build; name the backend "
+                "instead of 'auto'"
+            )
+
+        return build_auto(
+            model, shapes, precision, output, device, verify, atol, rtol, config, **options
+        )
     if config is None:
         config = BuildConfig(
             backend=backend,
@@ -139,18 +174,36 @@ def build(
             atol=atol,
             rtol=rtol,
             options=options,
+            simplify=simplify,
+            outputs=tuple(outputs),
         )
     with step("loading model"):
         model = load_model(model)
     be = backends.require(config.backend, config.device)
     backends.check_options(be, config.options)
-    check_profiles(model, config.profiles)
-    quant = plan.Quantization(
-        calibration, calib_data, calib_method, verify_data,
-        Gates(min_top1_agreement, max_abs_error), allow_table_mismatch,
-    )  # fmt: skip
     plan.check_precision(be, config)
-    prepared = plan.prepare(model, config, be, quant)
+    if not config.outputs:
+        check_profiles(model, config.profiles)  # fail fast, before any graph pass
+    if config.outputs and config.precision == Precision.INT8:
+        raise BuildError("outputs= (subgraph builds) works at fp32/fp16/bf16, not int8")
+    # int8: the Q/DQ model (written from the table) or the model's own Q/DQ nodes.
+    quantized = plan.prepare(model, config, be, quant)
+    # Simplification could fold Q/DQ pairs into float weights: never on a quantized model.
+    keep_qdq = plan.has_qdq(quantized.model.proto)
+    with step("preparing the graph"):
+        # The backend builds the prepared graph; the manifest's source hash stays the user's.
+        prepared = prepare(
+            quantized.model,
+            simplify=config.simplify and not keep_qdq,
+            outputs=config.outputs,
+            opsets=getattr(be, "OPSETS", None),
+        )
+    if keep_qdq and config.simplify:
+        n = count_nodes(quantized.model.proto)
+        skipped = PassRecord("simplify", n, n, 0.0, {"skipped": "Q/DQ model"})
+        prepared = dataclasses.replace(prepared, passes=(skipped, *prepared.passes))
+    reference = model if keep_qdq else prepared.reference
+    check_profiles(reference, config.profiles)
     version = be.available().version
     workdir = Path(tempfile.mkdtemp(prefix="enginekit-build-"))
     try:
@@ -173,12 +226,13 @@ def build(
                 "opset": model.opset,
             },
             "config": config.to_json(),
-            "inputs": [s.to_json() for s in model.inputs],
-            "outputs": [s.to_json() for s in model.outputs],
+            "inputs": [s.to_json() for s in reference.inputs],
+            "outputs": [s.to_json() for s in reference.outputs],
+            "passes": [p.to_json() for p in prepared.passes],
             "profiles": config.to_json()["profiles"],
             "precision": config.precision.value,
-            "calibration": prepared.entry,
-            "build_key": build_key(model, config, version, prepared.table_hash),
+            "calibration": quantized.entry,
+            "build_key": build_key(model, config, version, quantized.table_hash),
             "build": {
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds"
@@ -195,7 +249,7 @@ def build(
         _stage_layout(workdir, result.files)
         engine = be.load(staged, config.device)
         if config.verify and config.precision == Precision.INT8:
-            report = plan.verify(engine, model, config, prepared, quant)
+            report = plan.verify(engine, model, config, quantized, quant)
             manifest["verify"] = report
             if not report["passed"]:
                 engine.close()
@@ -206,7 +260,7 @@ def build(
                 )
         elif config.verify:
             with step("verifying against ONNX Runtime CPU"):
-                report = verify_engine(engine, model, config)
+                report = verify_engine(engine, reference, config)
             manifest["verify"] = report
             if not report["passed"]:
                 engine.close()

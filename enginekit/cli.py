@@ -1,4 +1,4 @@
-"""The ``enginekit`` command line: build, run, inspect, backends.
+"""The ``enginekit`` command line: build, run, inspect, backends, compare, bench.
 
 Exit codes: 0 ok, 1 failure (a typed enginekit error), 2 usage error, 3 verification failed.
 Every command that prints a result takes ``--json`` for machines.
@@ -19,11 +19,9 @@ from typing import Any, cast
 
 import numpy as np
 
+from enginekit.errors import UsageError  # bad usage, from here or the library: exit code 2
+
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_VERIFY = 0, 1, 2, 3
-
-
-class UsageError(Exception):
-    """Bad command-line usage (exit code 2)."""
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -72,15 +70,44 @@ def _add_build(sub: Any) -> None:
         metavar="KEY=VALUE",
         help="backend option (value parsed as JSON when it is JSON); see `enginekit backends --json`",
     )
+    _add_pass_flags(p)
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    _add_tensorrt_flags(p)
+    from enginekit.cli_bench import add_auto_flags
+
+    add_auto_flags(p)
     p.set_defaults(func=_cmd_build)
+
+
+def _add_tensorrt_flags(p: argparse.ArgumentParser) -> None:
+    """Shorthands for TensorRT backend options (each is also -O name=value)."""
+    p.add_argument(
+        "--timing-cache",
+        metavar="PATH",
+        help="tensorrt: timing cache file or directory, loaded and saved back (per GPU/version)",
+    )
+    p.add_argument("--workspace", metavar="SIZE", help="tensorrt: workspace limit, e.g. 4GiB")
+
+
+def backend_flag_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Backend options given as their own flags (``--timing-cache``, ``--workspace``)."""
+    flags = {"timing_cache": args.timing_cache, "workspace": args.workspace}
+    return {k: v for k, v in flags.items() if v is not None}
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
     import enginekit as ek
+    from enginekit.cli_bench import auto_requested, cmd_build_auto
 
     options = dict(_parse_option(o) for o in args.option)
+    options.update(backend_flag_options(args))
     shapes = [s for group in args.shapes for s in group]
+    if auto_requested(args) and (args.no_simplify or args.outputs):
+        raise UsageError("--no-simplify and --outputs apply to one backend; name it, not auto")
+    if auto_requested(args) and _calibration_requested(args):
+        raise UsageError("the int8 calibration flags apply to one backend; name it, not auto")
+    if auto_requested(args):
+        return cmd_build_auto(args, ek.parse_shapes(shapes) if shapes else None, options)
     engine = ek.build(
         args.model,
         backend=args.backend,
@@ -91,6 +118,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         atol=args.atol,
         rtol=args.rtol,
+        **_pass_options(args),
         **_calibration_kwargs(args),
         **options,
     )
@@ -119,6 +147,24 @@ def _max_abs(report: dict[str, Any]) -> float:
     values = [o.get("max_abs", 0.0) for c in report.get("cases", []) for o in c["outputs"].values()]
     values += [o.get("max_abs", 0.0) for o in report.get("outputs", {}).values()]
     return max(values, default=0.0)
+
+
+def _add_pass_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-simplify",
+        action="store_true",
+        help="skip graph simplification (constant folding, dead nodes, shape inference)",
+    )
+    p.add_argument(
+        "--outputs",
+        metavar="A,B",
+        help="build only the subgraph computing these tensors (intermediate ones too), to debug",
+    )
+
+
+def _pass_options(args: argparse.Namespace) -> dict[str, Any]:
+    outputs = [o for o in (args.outputs or "").split(",") if o]
+    return {"simplify": not args.no_simplify, "outputs": outputs}
 
 
 # -- run ---------------------------------------------------------------------------------------
@@ -313,6 +359,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 else "no"
             ),
             "payload    " + ", ".join(f"{n} ({e['size']} B)" for n, e in info["payload"].items()),
+            "passes     "
+            + (
+                ", ".join(
+                    f"{p['name']} {p['nodes_before']}->{p['nodes_after']} nodes"
+                    for p in info.get("passes", [])
+                )
+                or "none"
+            ),
         ]
         for key, value in (info.get("backend_details") or {}).items():
             lines.append(f"{key:<10} {value}")
@@ -377,6 +431,36 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             lines.append(f"{r['name']:<12} {'unavailable':<14} {r['reason']}")
     _emit(args, rows, "\n".join(lines))
     return EXIT_OK
+
+
+# -- export and prepare (enginekit/cli_export.py holds their work) ---------------------------
+
+
+def _add_export(sub: Any) -> None:
+    from enginekit.cli_export import add_export
+
+    add_export(sub)
+
+
+def _add_prepare(sub: Any) -> None:
+    from enginekit.cli_export import add_prepare
+
+    add_prepare(sub)
+
+
+# -- compare, bench (enginekit/cli_bench.py) -----------------------------------------------------
+
+
+def _add_compare(sub: Any) -> None:
+    from enginekit.cli_bench import add_compare
+
+    add_compare(sub)
+
+
+def _add_bench(sub: Any) -> None:
+    from enginekit.cli_bench import add_bench
+
+    add_bench(sub)
 
 
 # -- calibrate, and the int8 flags of build ----------------------------------------------------
@@ -455,6 +539,11 @@ def _calibration_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _calibration_requested(args: argparse.Namespace) -> bool:
+    kwargs = _calibration_kwargs(args)
+    return any(kwargs[k] not in (None, False) for k in kwargs if k != "calib_method")
+
+
 def _accuracy_text(output: str, m: dict[str, Any]) -> str:
     from enginekit.calibration.accuracy import summarize
 
@@ -472,9 +561,15 @@ def _accuracy_text(output: str, m: dict[str, Any]) -> str:
 
 #: Subcommand registrars; features add theirs here.
 COMMANDS: list[Callable[[Any], None]] = [
-    _add_build, _add_run, _add_inspect, _add_backends, _add_calibrate,
-    _add_build_calibration_flags,
-]  # fmt: skip
+    _add_build,
+    _add_run,
+    _add_inspect,
+    _add_backends,
+    _add_compare,
+    _add_bench,
+]
+COMMANDS += [_add_export, _add_prepare]
+COMMANDS += [_add_calibrate, _add_build_calibration_flags]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -41,3 +41,7 @@ class BackendUnavailable(EnginekitError):
 
 class CalibrationError(BuildError):
     """Calibration data or a calibration table is unusable: wrong inputs, empty, other model."""
+
+
+class UsageError(EnginekitError, ValueError):
+    """Arguments that are out of range or cannot work together (CLI exit code 2)."""

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 _BUILTIN: dict[str, str] = {
     "onnxruntime": "enginekit.backends.onnxruntime",
+    "tensorrt": "enginekit.backends.tensorrt",
 }
 
 

@@ -178,6 +178,7 @@ __all__ = [
     "Prepared",
     "Quantization",
     "check_precision",
+    "has_qdq",
     "prepare",
     "verify",
 ]

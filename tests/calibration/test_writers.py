@@ -161,3 +161,10 @@ def test_calibrating_and_writing_qdq_import_no_framework():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_tensorrt_style_passes_the_tensorrt_backends_own_checks(trt_qdq, tiny_cnn_path):
+    trt = pytest.importorskip("enginekit.backends.tensorrt.precision", reason="TRT backend code")
+    ops = pytest.importorskip("enginekit.backends.tensorrt.ops", reason="TRT backend code")
+    trt.check_qdq(trt_qdq, onnx.load(str(tiny_cnn_path)))  # symmetric, constant zero points
+    ops.check_ops(trt_qdq)  # every op in TensorRT's ONNX operator table
