@@ -7,6 +7,7 @@ import types
 from collections import Counter
 from pathlib import Path
 
+import calib_models
 import numpy as np
 import onnx
 import pytest
@@ -18,6 +19,13 @@ from enginekit.calibration.writers import write_qdq
 from enginekit.config import BuildConfig
 from enginekit.errors import BuildError, CalibrationError, VerificationError
 from enginekit.model import load_model
+
+# Fixtures shared by the calibration tests (see calib_models).
+tiny_cnn_path = calib_models.tiny_cnn_path
+other_model_path = calib_models.other_model_path
+calib_x = calib_models.calib_x
+tiny_table = calib_models.tiny_table
+
 
 CLASSES = 4
 SHAPES = {"x": [(1, 3, 16, 16), (8, 3, 16, 16), (32, 3, 16, 16)]}

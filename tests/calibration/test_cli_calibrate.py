@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 
+import calib_models
 import numpy as np
 import pytest
 
 import enginekit as ek
 from enginekit.calibration.writers import read_trt_cache
 from enginekit.cli import EXIT_FAILURE, EXIT_OK, EXIT_VERIFY, main
+
+# Fixtures shared by the calibration tests (see calib_models).
+tiny_cnn_path = calib_models.tiny_cnn_path
+other_model_path = calib_models.other_model_path
+calib_x = calib_models.calib_x
+tiny_table = calib_models.tiny_table
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +88,7 @@ def test_docs_calibration_python_example_runs(tmp_path, monkeypatch):
     from pathlib import Path
 
     import onnx
-    from conftest import tiny_cnn
+    from calib_models import tiny_cnn
 
     doc = Path(__file__).parents[2] / "docs" / "calibration.md"
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), flags=re.S)

@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import onnx
 import onnxruntime as ort
-from conftest import tiny_cnn
+from calib_models import tiny_cnn
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import calib_models
 import numpy as np
 import pytest
 
@@ -10,6 +11,13 @@ from enginekit.calibration.data import Holdout, batches
 from enginekit.config import ShapeProfile
 from enginekit.engine import TensorSpec
 from enginekit.errors import CalibrationError
+
+# Fixtures shared by the calibration tests (see calib_models).
+tiny_cnn_path = calib_models.tiny_cnn_path
+other_model_path = calib_models.other_model_path
+calib_x = calib_models.calib_x
+tiny_table = calib_models.tiny_table
+
 
 X = TensorSpec("x", "float32", ("batch", 3, 8, 8))
 TWO = (TensorSpec("a", "float32", ("batch", 4)), TensorSpec("b", "int64", ("batch", 2)))

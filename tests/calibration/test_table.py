@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import calib_models
 import numpy as np
 import pytest
 
@@ -11,6 +12,12 @@ import enginekit as ek
 from enginekit.calibration.table import FORMAT_VERSION, CalibrationTable, as_table
 from enginekit.errors import CalibrationError
 from enginekit.model import load_model
+
+# Fixtures shared by the calibration tests (see calib_models).
+tiny_cnn_path = calib_models.tiny_cnn_path
+other_model_path = calib_models.other_model_path
+calib_x = calib_models.calib_x
+tiny_table = calib_models.tiny_table
 
 
 def test_table_covers_every_activation_and_weight(tiny_table, tiny_cnn_path, calib_x):

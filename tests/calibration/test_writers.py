@@ -6,6 +6,7 @@ import struct
 import subprocess
 import sys
 
+import calib_models
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -21,6 +22,12 @@ from enginekit.calibration.writers import (
     write_trt_cache,
 )
 from enginekit.errors import CalibrationError
+
+# Fixtures shared by the calibration tests (see calib_models).
+tiny_cnn_path = calib_models.tiny_cnn_path
+other_model_path = calib_models.other_model_path
+calib_x = calib_models.calib_x
+tiny_table = calib_models.tiny_table
 
 
 def _run(proto: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
@@ -153,7 +160,7 @@ def test_ort_tensorrt_ep_table_holds_each_amax(tiny_table, tmp_path):
 def test_calibrating_and_writing_qdq_import_no_framework():
     code = (
         "import sys, numpy as np, enginekit as ek, onnx\n"
-        "sys.path.insert(0, 'tests/calibration'); from conftest import tiny_cnn\n"
+        "sys.path.insert(0, 'tests/calibration'); from calib_models import tiny_cnn\n"
         "m = tiny_cnn()\n"
         "t = ek.calibrate(m, np.ones((2, 3, 8, 8), np.float32))\n"
         "from enginekit.calibration.writers import write_qdq; write_qdq(m, t)\n"

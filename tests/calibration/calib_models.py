@@ -1,5 +1,7 @@
-"""Fixtures for the calibration tests: a tiny residual CNN built with onnx.helper (no torch),
-calibration data for it, and its calibration table."""
+"""Tiny models and fixtures for the calibration tests: a residual CNN built with onnx.helper (no
+torch), calibration data for it, and its calibration table. Test modules re-export the fixtures
+they use (`tiny_table = calib_models.tiny_table`): a conftest.py here would shadow the
+`conftest` module the top-level tests import from."""
 
 from __future__ import annotations
 
