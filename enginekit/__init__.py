@@ -5,6 +5,8 @@ ek.export(torch_model, (x,), "model.onnx", dynamic_batch=True)
 engine = ek.build("model.onnx", shapes={"x": [(1, 16), (8, 16), (64, 16)]}, output="m.ekit")
 engine = ek.load("m.ekit")
 outputs = engine.infer({"x": x})
+table = ek.calibrate("model.onnx", calib_x)                      # INT8 ranges, on CPU
+engine8 = ek.build("model.onnx", precision="int8", calibration=table, verify_data=val_x)
 report = ek.compare("model.onnx", backends=["onnxruntime"], shapes=...)  # report.passed gates CI
 result = ek.bench(engine, batch_sizes=[1, 8, 32], duration=5.0)
 """
