@@ -8,7 +8,9 @@ activations, never the dataset.
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 
 _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 _QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+_LARGE_BYTES = 1 << 30
 
 
 def activation_names(proto: onnx.ModelProto) -> list[str]:
@@ -79,9 +82,15 @@ def session(proto: onnx.ModelProto, threads: int = 0) -> Any:
     so.intra_op_num_threads = threads
     so.log_severity_level = 3
     try:
-        return ort.InferenceSession(
-            proto.SerializeToString(), so, providers=["CPUExecutionProvider"]
-        )
+        if proto.ByteSize() < _LARGE_BYTES:
+            return ort.InferenceSession(
+                proto.SerializeToString(), so, providers=["CPUExecutionProvider"]
+            )
+        # Protobuf cannot serialize 2 GiB: hand ORT a file with external data instead.
+        with tempfile.TemporaryDirectory(prefix="enginekit-calib-") as tmp:
+            path = Path(tmp) / "model.onnx"
+            onnx.save_model(proto, str(path), save_as_external_data=True, location="model.data")
+            return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as exc:
         raise CalibrationError(
             f"ONNX Runtime cannot run the model to calibrate it: {exc}"

@@ -100,10 +100,19 @@ def prepare(model: Model, config: BuildConfig, backend: Any, q: Quantization) ->
         CalibrationError: bad data, or a table for another model.
     """
     if config.precision != Precision.INT8:
-        if q.calibration is not None or q.calib_data is not None:
+        given = [
+            name
+            for name, value in (
+                ("calibration", q.calibration), ("calib_data", q.calib_data),
+                ("verify_data", q.verify_data), ("min_top1_agreement", q.gates.min_top1_agreement),
+                ("max_abs_error", q.gates.max_abs_error),
+            )
+            if value is not None
+        ]  # fmt: skip
+        if given:
             raise BuildError(
-                f"calibration/calib_data are for precision='int8'; this build is "
-                f"{config.precision.value}"
+                f"{', '.join(given)}: for precision='int8'; this build is "
+                f"{config.precision.value}, verified at a tolerance (atol=, rtol=)"
             )
         return Prepared(model)
     if q.calibration is not None and q.calib_data is not None:

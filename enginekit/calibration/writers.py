@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 #: (Relu then folds into the zero point), int32 biases, every op ORT has a QLinear kernel for:
 #: the layout ORT's CPU kernels run fastest (see docs/calibration.md for the measurements).
 STYLES = ("tensorrt", "onnxruntime-cpu")
+_LARGE_BYTES = 1 << 30
 _TRT_OPS = ["Conv", "ConvTranspose", "Gemm", "MatMul", "Add"]
 
 
@@ -104,11 +105,14 @@ def write_qdq(
     with tempfile.TemporaryDirectory(prefix="enginekit-qdq-") as tmp:
         src, pre, out = (Path(tmp) / n for n in ("model.onnx", "pre.onnx", "qdq.onnx"))
         cache = Path(tmp) / "ranges.json"
-        onnx.save_model(m.proto, str(src))
+        # Past 1 GiB, weights go to external data files (protobuf stops at 2 GiB).
+        large = m.proto.ByteSize() > _LARGE_BYTES
+        onnx.save_model(m.proto, str(src), save_as_external_data=large, location="model.data")
         # skip_optimization keeps tensor names (the table's keys) and standard-domain ops.
         quant_pre_process(
-            str(src), str(pre), skip_optimization=True, skip_symbolic_shape=not symbolic_shapes
-        )
+            str(src), str(pre), skip_optimization=True, skip_symbolic_shape=not symbolic_shapes,
+            save_as_external_data=large, external_data_location="pre.data",
+        )  # fmt: skip
         save_tensors_data(TensorsData(CalibrationMethod.MinMax, ranges), cache)
         try:
             quantize_static(
@@ -125,6 +129,7 @@ def write_qdq(
                 nodes_to_exclude=list(exclude_nodes),
                 calibrate_method=CalibrationMethod.MinMax,
                 extra_options=extra,
+                use_external_data_format=large,
             )
         except KeyError as exc:
             raise CalibrationError(

@@ -175,3 +175,17 @@ def test_tensorrt_style_passes_the_tensorrt_backends_own_checks(trt_qdq, tiny_cn
     ops = pytest.importorskip("enginekit.backends.tensorrt.ops", reason="TRT backend code")
     trt.check_qdq(trt_qdq, onnx.load(str(tiny_cnn_path)))  # symmetric, constant zero points
     ops.check_ops(trt_qdq)  # every op in TensorRT's ONNX operator table
+
+
+def test_models_past_the_protobuf_limit_go_through_external_data(
+    monkeypatch, tiny_cnn_path, calib_x
+):
+    import enginekit as ek
+    from enginekit.calibration import collect, writers
+
+    monkeypatch.setattr(collect, "_LARGE_BYTES", 0)  # treat the tiny model as a 2 GiB one
+    monkeypatch.setattr(writers, "_LARGE_BYTES", 0)
+    table = ek.calibrate(tiny_cnn_path, calib_x[:8])
+    proto = write_qdq(tiny_cnn_path, table)
+    ref = _run(onnx.load(str(tiny_cnn_path)), calib_x[:8])
+    assert (_run(proto, calib_x[:8]).argmax(1) == ref.argmax(1)).mean() >= 0.75
