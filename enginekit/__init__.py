@@ -5,6 +5,8 @@ ek.export(torch_model, (x,), "model.onnx", dynamic_batch=True)
 engine = ek.build("model.onnx", shapes={"x": [(1, 16), (8, 16), (64, 16)]}, output="m.ekit")
 engine = ek.load("m.ekit")
 outputs = engine.infer({"x": x})
+table = ek.calibrate("model.onnx", calib_x)                      # INT8 ranges, on CPU
+engine8 = ek.build("model.onnx", precision="int8", calibration=table, verify_data=val_x)
 report = ek.compare("model.onnx", backends=["onnxruntime"], shapes=...)  # report.passed gates CI
 result = ek.bench(engine, batch_sizes=[1, 8, 32], duration=5.0)
 """
@@ -16,6 +18,7 @@ __version__ = "0.1.0"
 from enginekit.backends import Availability
 from enginekit.bench import BenchResult, bench
 from enginekit.build import build, load
+from enginekit.calibration import CalibrationTable, calibrate
 from enginekit.candidates import Candidate
 from enginekit.compare import CompareReport, compare
 from enginekit.config import BuildConfig, Precision, ShapeProfile, parse_shapes
@@ -24,6 +27,7 @@ from enginekit.errors import (
     ArtifactError,
     BackendUnavailable,
     BuildError,
+    CalibrationError,
     EngineInputError,
     EnginekitError,
     ExportError,
@@ -50,6 +54,8 @@ __all__ = [
     "BenchResult",
     "BuildConfig",
     "BuildError",
+    "CalibrationError",
+    "CalibrationTable",
     "Candidate",
     "CompareReport",
     "Engine",
@@ -67,6 +73,7 @@ __all__ = [
     "available_backends",
     "bench",
     "build",
+    "calibrate",
     "compare",
     "export",
     "lint_batch",

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 NAME = "onnxruntime"
 PAYLOAD = "model.onnx"
+#: Precisions this backend builds (the convention is in enginekit/calibration/plan.py). int8
+#: builds from the Q/DQ model enginekit writes; fp16/bf16 from a converted model; bf16 needs
+#: CUDA (ONNX Runtime's CPU provider has no bf16 kernels).
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 
 OPTIONS = {
     "optimization_level": "graph optimizations applied at build time: disable, basic, extended, "
@@ -40,6 +44,13 @@ OPTIONS = {
     "(default: ['cpu'] on cpu, ['cuda', 'cpu'] on cuda)",
     "io_binding": "bind inputs and outputs through IOBinding: true, false, or null (default: on "
     "for CUDA/TensorRT providers, where it avoids copies; off on CPU, where it measured slower)",
+    "int8_style": "Q/DQ layout for int8: auto (default: onnxruntime-cpu on CPU, tensorrt with "
+    "GPU providers), onnxruntime-cpu (uint8 activations, fastest on CPU) or tensorrt (int8, "
+    "zero points 0, float biases)",
+    "int8_per_channel": "per-channel int8 weight scales (default true)",
+    "int8_reduce_range": "7-bit int8 weights: auto (default: on for CPUs without VNNI, where "
+    "uint8 x int8 products can saturate), true or false",
+    "keep_io_types": "fp16/bf16: keep inputs and outputs float32 (default true)",
     "trt_options": "TensorRT provider: extra raw provider options (dict) over the generated "
     "profile, precision and engine-cache options",
 }
@@ -155,6 +166,45 @@ def _session_options(options: dict[str, Any], level: str) -> Any:
     return so
 
 
+def qdq_options(config: BuildConfig) -> dict[str, Any]:
+    """Keyword arguments of ``write_qdq`` for an int8 build (see OPTIONS)."""
+    options = dict(config.options)
+    gpu = any(p != "CPUExecutionProvider" for p in _providers(options, config.device))
+    style = options.get("int8_style", "auto")
+    if style == "auto":
+        style = "tensorrt" if gpu else "onnxruntime-cpu"
+    if style not in ("onnxruntime-cpu", "tensorrt"):
+        raise BuildError(f"int8_style {style!r}: expected auto, onnxruntime-cpu or tensorrt")
+    reduce_range = options.get("int8_reduce_range", "auto")
+    if reduce_range == "auto":
+        vnni = {"avx512_vnni", "avx_vnni", "asimd"} & target.cpu_flags()
+        reduce_range = style == "onnxruntime-cpu" and not vnni
+    return {
+        "style": style,
+        "per_channel": bool(options.get("int8_per_channel", True)),
+        "reduce_range": bool(reduce_range),
+    }
+
+
+def _convert(model: Model, config: BuildConfig) -> bytes:
+    """The model bytes in the build's precision (fp16/bf16 converted; int8 is Q/DQ already)."""
+    keep_io = bool(config.options.get("keep_io_types", True))
+    if config.precision.value == "fp16":
+        from enginekit.calibration.convert import to_fp16
+
+        return to_fp16(model.proto, keep_io).SerializeToString()
+    if config.precision.value == "bf16":
+        if not config.device.startswith("cuda"):
+            raise BuildError(
+                "bf16 on ONNX Runtime needs device='cuda': its CPU provider has no bf16 kernels "
+                "(MatMul, Gemm, Add, Relu: NOT_IMPLEMENTED in 1.32). On CPU use fp32 or int8"
+            )
+        from enginekit.calibration.convert import to_bf16
+
+        return to_bf16(model.proto, keep_io).SerializeToString()
+    return model.to_bytes()
+
+
 def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     """Optimize the graph once for the target providers and save it as the payload."""
     ort = _ort()
@@ -168,9 +218,10 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     so = _session_options(options, level)
     out = workdir / PAYLOAD
     so.optimized_model_filepath = str(out)
+    data = _convert(model, config)
     try:
         ort.InferenceSession(
-            model.to_bytes(), so, providers=providers,
+            data, so, providers=providers,
             provider_options=_provider_options(providers, config.device),
         )  # fmt: skip
     except Exception as exc:
