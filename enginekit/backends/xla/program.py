@@ -9,6 +9,7 @@ engine carries its own XLA flags without touching the process-wide ``XLA_FLAGS``
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -73,6 +74,20 @@ def _abstract_inputs(
     )
 
 
+def _no_caller_locations() -> Any:
+    """Keep the caller's Python traceback out of the program's debug locations.
+
+    By default JAX records the whole traceback of the trace in the MLIR locations, so the bytes
+    of the serialized program would depend on (and reveal) the user's script and call site, and
+    two builds of one model from different places would differ. The public ``jax.config`` only
+    offers a process-wide switch; the flag's own state object is a context manager.
+    """
+    from jax._src import config as jax_config
+
+    state = getattr(jax_config, "include_full_tracebacks_in_locations", None)
+    return state(False) if state is not None else contextlib.nullcontext()
+
+
 def export(
     fn: Any,
     weights: Sequence[np.ndarray],
@@ -90,7 +105,7 @@ def export(
     from jax import export as jax_export
 
     weight_specs = tuple(jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights)
-    with jax.enable_x64(True), jax.default_matmul_precision("highest"):
+    with jax.enable_x64(True), jax.default_matmul_precision("highest"), _no_caller_locations():
         try:
             return jax_export.export(jax.jit(fn), platforms=[platform])(
                 weight_specs, _abstract_inputs(specs, dims)

@@ -61,3 +61,17 @@ def test_hlo_summary_counts_the_fusions_xla_made():
     summary = program.hlo_summary(run)
     assert summary["fusions"] == 1  # mul, add and tanh in one loop fusion
     assert summary["fusion_kinds"] == {"kLoop": 1}
+
+
+def _export_from_here():
+    spec = [TensorSpec("x", "float32", ("batch", 4))]
+    return program.serialize(
+        program.export(_double_plus, (np.ones(4, np.float32),), spec, {"x": ["batch", 4]}, "cpu")
+    )
+
+
+def test_program_bytes_do_not_depend_on_or_reveal_the_call_site():
+    first = _export_from_here()
+    second = (lambda: _export_from_here())()  # another call stack
+    assert first == second
+    assert b"_export_from_here" not in first  # the callers' frames are not recorded
