@@ -5,6 +5,10 @@ ek.export(torch_model, (x,), "model.onnx", dynamic_batch=True)
 engine = ek.build("model.onnx", shapes={"x": [(1, 16), (8, 16), (64, 16)]}, output="m.ekit")
 engine = ek.load("m.ekit")
 outputs = engine.infer({"x": x})
+table = ek.calibrate("model.onnx", calib_x)                      # INT8 ranges, on CPU
+engine8 = ek.build("model.onnx", precision="int8", calibration=table, verify_data=val_x)
+report = ek.compare("model.onnx", backends=["onnxruntime"], shapes=...)  # report.passed gates CI
+result = ek.bench(engine, batch_sizes=[1, 8, 32], duration=5.0)
 """
 
 from __future__ import annotations
@@ -12,21 +16,28 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from enginekit.backends import Availability
+from enginekit.bench import BenchResult, bench
 from enginekit.build import build, load
+from enginekit.calibration import CalibrationTable, calibrate
+from enginekit.candidates import Candidate
+from enginekit.compare import CompareReport, compare
 from enginekit.config import BuildConfig, Precision, ShapeProfile, parse_shapes
 from enginekit.engine import Engine, TensorSpec
 from enginekit.errors import (
     ArtifactError,
     BackendUnavailable,
     BuildError,
+    CalibrationError,
     EngineInputError,
     EnginekitError,
     ExportError,
     ModelError,
+    UsageError,
     VerificationError,
 )
 from enginekit.export import export
-from enginekit.model import Model, lint_batch, load_model, make_batch_dynamic
+from enginekit.model import Model, load_model
+from enginekit.passes import lint_batch, make_batch_dynamic
 
 
 def available_backends() -> list[Availability]:
@@ -40,8 +51,13 @@ __all__ = [
     "ArtifactError",
     "Availability",
     "BackendUnavailable",
+    "BenchResult",
     "BuildConfig",
     "BuildError",
+    "CalibrationError",
+    "CalibrationTable",
+    "Candidate",
+    "CompareReport",
     "Engine",
     "EngineInputError",
     "EnginekitError",
@@ -51,10 +67,14 @@ __all__ = [
     "Precision",
     "ShapeProfile",
     "TensorSpec",
+    "UsageError",
     "VerificationError",
     "__version__",
     "available_backends",
+    "bench",
     "build",
+    "calibrate",
+    "compare",
     "export",
     "lint_batch",
     "load",

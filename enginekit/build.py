@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -11,12 +12,15 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from enginekit import __version__, backends, target
 from enginekit.artifact import FORMAT_VERSION, Artifact, open_artifact, write_artifact
-from enginekit.config import BuildConfig, ShapeProfile, ShapesArg, normalize_shapes
+from enginekit.calibration import plan
+from enginekit.calibration.accuracy import Gates
+from enginekit.config import BuildConfig, Precision, ShapeProfile, ShapesArg, normalize_shapes
 from enginekit.engine import Engine, TensorSpec
 from enginekit.errors import (
     ArtifactError,
@@ -26,6 +30,7 @@ from enginekit.errors import (
     VerificationError,
 )
 from enginekit.model import Model, ModelSource, load_model
+from enginekit.passes import PassRecord, count_nodes, prepare
 from enginekit.progress import step
 from enginekit.verify import summarize, verify_engine
 
@@ -97,6 +102,16 @@ def build(
     atol: float | None = None,
     rtol: float | None = None,
     config: BuildConfig | None = None,
+    simplify: bool = True,
+    outputs: Sequence[str] = (),
+    *,
+    calibration: Any = None,
+    calib_data: Any = None,
+    calib_method: str = "entropy",
+    verify_data: Any = None,
+    min_top1_agreement: float | None = None,
+    max_abs_error: float | None = None,
+    allow_table_mismatch: bool = False,
     **options: Any,
 ) -> Engine:
     """Build an engine from an ONNX model, verify it, optionally write the artifact, return it.
@@ -112,11 +127,49 @@ def build(
         verify: compare with ONNX Runtime CPU at build time; a mismatch raises VerificationError.
         atol, rtol: verification tolerance (default: the precision's).
         config: a complete BuildConfig instead of the arguments above.
+        simplify: fold constants and simplify the graph first (recorded in manifest["passes"]);
+            verification still compares with the model as given.
+        outputs: build only the subgraph computing these tensors, for debugging a mismatch.
+        calibration: int8: a CalibrationTable or the path of its JSON (``enginekit calibrate``).
+        calib_data: int8: calibration data to calibrate on the fly (any source
+            ``enginekit.calibrate`` takes); every 10th sample is held out for verification.
+        calib_method: int8 with calib_data: entropy (default), percentile or minmax.
+        verify_data: int8: data to verify the engine on against the float32 model.
+        min_top1_agreement, max_abs_error: accuracy gates on the verification data (int8); a
+            miss raises VerificationError.
+        allow_table_mismatch: accept a calibration table made for another model hash.
         **options: backend options (``enginekit backends --json`` lists each backend's).
+            With ``backend="auto"`` also ``candidates``, ``precisions``, ``objective``,
+            ``bench_duration``: see :func:`enginekit.choose.build_auto`.
 
     Raises:
         BuildError, VerificationError, BackendUnavailable, ModelError.
     """
+    quant = plan.Quantization(
+        calibration, calib_data, calib_method, verify_data,
+        Gates(min_top1_agreement, max_abs_error), allow_table_mismatch,
+    )  # fmt: skip
+    if (config.backend if config is not None else backend) == "auto":
+        from enginekit.choose import build_auto
+
+        if quant != plan.Quantization():
+            raise BuildError(
+                "calibration, calib_data, verify_data and the accuracy gates apply to one "
+                "backend's int8 build; name the backend instead of 'auto'"
+            )
+        if (
+            outputs
+            or not simplify
+            or (config is not None and (config.outputs or not config.simplify))
+        ):
+            raise BuildError(
+                "simplify=False and outputs= apply to one backend's build; name the backend "
+                "instead of 'auto'"
+            )
+
+        return build_auto(
+            model, shapes, precision, output, device, verify, atol, rtol, config, **options
+        )
     if config is None:
         config = BuildConfig(
             backend=backend,
@@ -127,18 +180,42 @@ def build(
             atol=atol,
             rtol=rtol,
             options=options,
+            simplify=simplify,
+            outputs=tuple(outputs),
         )
     with step("loading model"):
         model = load_model(model)
     be = backends.require(config.backend, config.device)
     backends.check_options(be, config.options)
-    check_profiles(model, config.profiles)
+    plan.check_precision(be, config)
+    if not config.outputs:
+        check_profiles(model, config.profiles)  # fail fast, before any graph pass
+    if config.outputs and config.precision == Precision.INT8:
+        raise BuildError("outputs= (subgraph builds) works at fp32/fp16/bf16, not int8")
+    # int8: the Q/DQ model (written from the table) or the model's own Q/DQ nodes.
+    quantized = plan.prepare(model, config, be, quant)
+    # Simplification could fold Q/DQ pairs into float weights: never on a quantized model.
+    keep_qdq = plan.has_qdq(quantized.model.proto)
+    with step("preparing the graph"):
+        # The backend builds the prepared graph; the manifest's source hash stays the user's.
+        prepared = prepare(
+            quantized.model,
+            simplify=config.simplify and not keep_qdq,
+            outputs=config.outputs,
+            opsets=getattr(be, "OPSETS", None),
+        )
+    if keep_qdq and config.simplify:
+        n = count_nodes(quantized.model.proto)
+        skipped = PassRecord("simplify", n, n, 0.0, {"skipped": "Q/DQ model"})
+        prepared = dataclasses.replace(prepared, passes=(skipped, *prepared.passes))
+    reference = model if keep_qdq else prepared.reference
+    check_profiles(reference, config.profiles)
     version = be.available().version
     workdir = Path(tempfile.mkdtemp(prefix="enginekit-build-"))
     try:
         start = time.perf_counter()
         with step(f"building {config.backend} engine"):
-            result = be.build(model, config, workdir)
+            result = be.build(prepared.model, config, workdir)
         build_s = time.perf_counter() - start
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -155,18 +232,20 @@ def build(
                 "opset": model.opset,
             },
             "config": config.to_json(),
-            "inputs": [s.to_json() for s in model.inputs],
-            "outputs": [s.to_json() for s in model.outputs],
+            "inputs": [s.to_json() for s in reference.inputs],
+            "outputs": [s.to_json() for s in reference.outputs],
+            "passes": [p.to_json() for p in prepared.passes],
             "profiles": config.to_json()["profiles"],
             "precision": config.precision.value,
-            "calibration": None,
-            "build_key": build_key(model, config, version),
+            "calibration": quantized.entry,
+            "build_key": build_key(model, config, version, quantized.table_hash),
             "build": {
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds"
                 ),
                 "build_s": round(build_s, 3),
                 "host": target.host(),
+                "versions": _toolchain(),
             },
             "verify": None,
             "bench": None,
@@ -179,9 +258,19 @@ def build(
         if cross:  # code for another host: write it, but neither load nor verify it here
             return _unloaded(manifest, workdir, result.files, output, str(cross))
         engine = be.load(staged, config.device)
-        if config.verify:
+        if config.verify and config.precision == Precision.INT8:
+            report = plan.verify(engine, model, config, quantized, quant)
+            manifest["verify"] = report
+            if not report["passed"]:
+                engine.close()
+                raise VerificationError(
+                    f"the int8 {config.backend} engine fails its accuracy gates on "
+                    f"{report['data']}: {'; '.join(report['failures'])}",
+                    report,
+                )
+        elif config.verify:
             with step("verifying against ONNX Runtime CPU"):
-                report = verify_engine(engine, model, config)
+                report = verify_engine(engine, reference, config)
             manifest["verify"] = report
             if not report["passed"]:
                 engine.close()
@@ -233,6 +322,14 @@ def _unloaded(
         BuildConfig.from_json(spec["config"]).profiles,
         spec,
     )
+
+
+def _toolchain() -> dict[str, str]:
+    """Versions besides enginekit's and the backend's that shape an artifact (for rebuilds)."""
+    import numpy
+    import onnx
+
+    return {"onnx": onnx.__version__, "numpy": numpy.__version__}
 
 
 def _entry(path: Path) -> dict[str, Any]:

@@ -1,6 +1,9 @@
-"""The ``enginekit`` command line: build, run, inspect, backends.
+"""The ``enginekit`` command line: build, run, inspect, backends, compare, bench, validate, cache,
+export-triton.
 
-Exit codes: 0 ok, 1 failure (a typed enginekit error), 2 usage error, 3 verification failed.
+Exit codes: 0 ok, 1 failure (a typed enginekit error), 2 usage error (with ``build -c``: an
+invalid build file or baseline), 3 verification failed (with ``build -c``: a gate failed —
+accuracy, top-1 agreement, throughput regression — or an engine failed verification).
 Every command that prints a result takes ``--json`` for machines.
 """
 
@@ -19,11 +22,9 @@ from typing import Any, cast
 
 import numpy as np
 
+from enginekit.errors import UsageError  # bad usage, from here or the library: exit code 2
+
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_VERIFY = 0, 1, 2, 3
-
-
-class UsageError(Exception):
-    """Bad command-line usage (exit code 2)."""
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -45,7 +46,7 @@ def _parse_option(text: str) -> tuple[str, Any]:
 
 def _add_build(sub: Any) -> None:
     p = sub.add_parser("build", help="build an engine artifact from an ONNX model")
-    p.add_argument("model", help="ONNX model file")
+    p.add_argument("model", nargs="?", help="ONNX model file (not with -c)")
     p.add_argument("--backend", default="onnxruntime", help="backend name (default onnxruntime)")
     p.add_argument(
         "--shapes",
@@ -59,7 +60,10 @@ def _add_build(sub: Any) -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "int8"])
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument(
-        "-o", "--output", required=True, help="artifact path (.ekit, or dir/ for a directory)"
+        "-o",
+        "--output",
+        "--out",
+        help="artifact path (.ekit, or dir/ for a directory); with -c the output folder",
     )
     p.add_argument("--no-verify", action="store_true", help="skip build-time verification")
     p.add_argument("--atol", type=float, help="verification absolute tolerance")
@@ -72,9 +76,33 @@ def _add_build(sub: Any) -> None:
         metavar="KEY=VALUE",
         help="backend option (value parsed as JSON when it is JSON); see `enginekit backends --json`",
     )
+    _add_pass_flags(p)
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    _add_tensorrt_flags(p)
     _add_tvm_flags(p)
+    from enginekit.cli_bench import add_auto_flags
+
+    add_auto_flags(p)
+    from enginekit.pipeline.cli import add_build_flags
+
+    add_build_flags(p)
     p.set_defaults(func=_cmd_build)
+
+
+def _add_tensorrt_flags(p: argparse.ArgumentParser) -> None:
+    """Shorthands for TensorRT backend options (each is also -O name=value)."""
+    p.add_argument(
+        "--timing-cache",
+        metavar="PATH",
+        help="tensorrt: timing cache file or directory, loaded and saved back (per GPU/version)",
+    )
+    p.add_argument("--workspace", metavar="SIZE", help="tensorrt: workspace limit, e.g. 4GiB")
+
+
+def backend_flag_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Backend options given as their own flags (``--timing-cache``, ``--workspace``)."""
+    flags = {"timing_cache": args.timing_cache, "workspace": args.workspace}
+    return {k: v for k, v in flags.items() if v is not None}
 
 
 def _add_tvm_flags(p: argparse.ArgumentParser) -> None:
@@ -108,9 +136,24 @@ def _tvm_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     import enginekit as ek
+    from enginekit.cli_bench import auto_requested, cmd_build_auto
 
-    options = dict(_parse_option(o) for o in args.option) | _tvm_options(args)
+    if args.config:
+        from enginekit.pipeline.cli import cmd_build_config
+
+        return cmd_build_config(args)
+    if not args.model or not args.output:
+        raise UsageError("build needs a model and -o OUTPUT (or -c enginekit.toml)")
+    options = dict(_parse_option(o) for o in args.option)
+    options.update(backend_flag_options(args))
+    options.update(_tvm_options(args))
     shapes = [s for group in args.shapes for s in group]
+    if auto_requested(args) and (args.no_simplify or args.outputs):
+        raise UsageError("--no-simplify and --outputs apply to one backend; name it, not auto")
+    if auto_requested(args) and _calibration_requested(args):
+        raise UsageError("the int8 calibration flags apply to one backend; name it, not auto")
+    if auto_requested(args):
+        return cmd_build_auto(args, ek.parse_shapes(shapes) if shapes else None, options)
     engine = ek.build(
         args.model,
         backend=args.backend,
@@ -121,10 +164,16 @@ def _cmd_build(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         atol=args.atol,
         rtol=args.rtol,
+        **_pass_options(args),
+        **_calibration_kwargs(args),
         **options,
     )
     m = engine.manifest
     verify = m.get("verify") or {}
+    if verify.get("kind") == "accuracy":
+        _emit(args, m, _accuracy_text(args.output, m))
+        engine.close()
+        return EXIT_OK
     text = (
         f"built {args.output}: {m['backend']['name']} {m['backend']['version']}, "
         f"{m['precision']}, {m['build']['build_s']:.2f} s\n"
@@ -142,7 +191,26 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 def _max_abs(report: dict[str, Any]) -> float:
     values = [o.get("max_abs", 0.0) for c in report.get("cases", []) for o in c["outputs"].values()]
+    values += [o.get("max_abs", 0.0) for o in report.get("outputs", {}).values()]
     return max(values, default=0.0)
+
+
+def _add_pass_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-simplify",
+        action="store_true",
+        help="skip graph simplification (constant folding, dead nodes, shape inference)",
+    )
+    p.add_argument(
+        "--outputs",
+        metavar="A,B",
+        help="build only the subgraph computing these tensors (intermediate ones too), to debug",
+    )
+
+
+def _pass_options(args: argparse.Namespace) -> dict[str, Any]:
+    outputs = [o for o in (args.outputs or "").split(",") if o]
+    return {"simplify": not args.no_simplify, "outputs": outputs}
 
 
 # -- run ---------------------------------------------------------------------------------------
@@ -337,6 +405,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 else "no"
             ),
             "payload    " + ", ".join(f"{n} ({e['size']} B)" for n, e in info["payload"].items()),
+            "passes     "
+            + (
+                ", ".join(
+                    f"{p['name']} {p['nodes_before']}->{p['nodes_after']} nodes"
+                    for p in info.get("passes", [])
+                )
+                or "none"
+            ),
         ]
         for key, value in (info.get("backend_details") or {}).items():
             lines.append(f"{key:<10} {value}")
@@ -374,6 +450,7 @@ def _profiles_text(profiles: list[dict[str, Any]]) -> str:
 def _add_backends(sub: Any) -> None:
     p = sub.add_parser("backends", help="list backends: installed, versions, devices, why not")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--ops", action="store_true", help="also list each backend's supported ONNX ops")
     p.set_defaults(func=_cmd_backends)
 
 
@@ -399,14 +476,169 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             )
         else:
             lines.append(f"{r['name']:<12} {'unavailable':<14} {r['reason']}")
+        if getattr(args, "ops", False) and r.get("supported_ops"):
+            lines.append(_ops_text(r["supported_ops"]))
     _emit(args, rows, "\n".join(lines))
     return EXIT_OK
+
+
+def _ops_text(ops: list[str], width: int = 100) -> str:
+    """An op list wrapped and indented under its backend's line."""
+    import textwrap
+
+    body = textwrap.fill(", ".join(ops), width=width, initial_indent="  ", subsequent_indent="  ")
+    return f"  {len(ops)} ONNX ops:\n{body}"
+
+
+# -- export and prepare (enginekit/cli_export.py holds their work) ---------------------------
+
+
+def _add_export(sub: Any) -> None:
+    from enginekit.cli_export import add_export
+
+    add_export(sub)
+
+
+def _add_prepare(sub: Any) -> None:
+    from enginekit.cli_export import add_prepare
+
+    add_prepare(sub)
+
+
+# -- compare, bench (enginekit/cli_bench.py) -----------------------------------------------------
+
+
+def _add_compare(sub: Any) -> None:
+    from enginekit.cli_bench import add_compare
+
+    add_compare(sub)
+
+
+def _add_bench(sub: Any) -> None:
+    from enginekit.cli_bench import add_bench
+
+    add_bench(sub)
+
+
+# -- calibrate, and the int8 flags of build ----------------------------------------------------
+
+
+def _add_calibrate(sub: Any) -> None:
+    p = sub.add_parser(
+        "calibrate", help="calibrate a float ONNX model on data: per-tensor INT8 ranges (CPU)"
+    )
+    p.add_argument("model", help="float ONNX model")
+    p.add_argument(
+        "--data", required=True, help=".npz (one key per input), .npy, or a folder of them"
+    )
+    p.add_argument("--method", default="entropy", choices=["entropy", "percentile", "minmax"])
+    p.add_argument("--percentile", type=float, default=99.99, help="for --method percentile")
+    p.add_argument("--batch-size", type=int, default=32, help="rows per calibration batch")
+    p.add_argument("--max-samples", type=int, help="stop after this many samples")
+    p.add_argument("-o", "--output", required=True, help="calibration table (.json)")
+    p.add_argument("--qdq", metavar="FILE.onnx", help="also write the Q/DQ model")
+    p.add_argument(
+        "--qdq-style", default="tensorrt", choices=["tensorrt", "onnxruntime-cpu"],
+        help="Q/DQ layout (default tensorrt: int8, zero points 0, float biases)",
+    )  # fmt: skip
+    p.add_argument("--trt-cache", metavar="FILE", help="also write a TensorRT calibration cache")
+    p.add_argument("--trt-version", default="10.0.0", help="TensorRT version for the cache header")
+    p.add_argument("--ort-trt-table", metavar="DIR", help="also write ORT's TensorRT EP table")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import enginekit as ek
+    from enginekit.calibration import writers
+
+    table = ek.calibrate(
+        args.model, args.data, args.method, percentile=args.percentile,
+        batch_size=args.batch_size, max_samples=args.max_samples,
+    )  # fmt: skip
+    written = {"table": str(table.save(args.output))}
+    if args.qdq:
+        writers.write_qdq(args.model, table, args.qdq, style=args.qdq_style)
+        written["qdq"] = args.qdq
+    if args.trt_cache:
+        written["trt_cache"] = str(writers.write_trt_cache(table, args.trt_cache, args.trt_version))
+    if args.ort_trt_table:
+        files = writers.write_ort_trt_table(table, args.ort_trt_table)
+        written["ort_trt_table"] = str(files["flatbuffers"])
+    info = {**table.manifest_entry(), "written": written}
+    text = (
+        f"calibrated {args.model}: {table.method}, {table.samples} samples in {table.batches} "
+        f"batches, {len(table)} tensors\n" + "\n".join(f"wrote {v}" for v in written.values())
+    )
+    _emit(args, info, text)
+    return EXIT_OK
+
+
+def _add_build_calibration_flags(sub: Any) -> None:
+    g = sub.choices["build"].add_argument_group("int8")
+    g.add_argument("--calibration", metavar="CALIB.json", help="calibration table")
+    g.add_argument("--calib-data", metavar="DATA", help="calibrate on this data (.npz/.npy/dir)")
+    g.add_argument("--calib-method", default="entropy", choices=["entropy", "percentile", "minmax"])
+    g.add_argument("--verify-data", metavar="DATA", help="verify the engine on this data")
+    g.add_argument("--min-top1-agreement", type=float, help="gate, e.g. 0.99")
+    g.add_argument("--max-abs-error", type=float, help="gate on any output element")
+    g.add_argument(
+        "--allow-table-mismatch", action="store_true",
+        help="accept a calibration table made for another model hash",
+    )  # fmt: skip
+
+
+def _calibration_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("calibration", "calib_data", "verify_data", "min_top1_agreement", "max_abs_error")
+    kwargs: dict[str, Any] = {n: getattr(args, n, None) for n in names}
+    kwargs["calib_method"] = getattr(args, "calib_method", "entropy")
+    kwargs["allow_table_mismatch"] = getattr(args, "allow_table_mismatch", False)
+    return kwargs
+
+
+def _calibration_requested(args: argparse.Namespace) -> bool:
+    kwargs = _calibration_kwargs(args)
+    return any(kwargs[k] not in (None, False) for k in kwargs if k != "calib_method")
+
+
+def _accuracy_text(output: str, m: dict[str, Any]) -> str:
+    from enginekit.calibration.accuracy import summarize
+
+    v = m["verify"]
+    cal = m.get("calibration") or {}
+    how = f"{cal['method']} table {cal['sha256'][:12]}…" if "sha256" in cal else cal.get("source")
+    return (
+        f"built {output}: {m['backend']['name']} {m['backend']['version']}, {m['precision']} "
+        f"({how}), {m['build']['build_s']:.2f} s\n"
+        f"verified against float32 on {v['data']} ({v['samples']} samples): {summarize(v)}"
+    )
+
+
+# -- validate, cache, export-triton (enginekit/pipeline/cli.py) ----------------------------------
+
+
+def _add_pipeline(sub: Any) -> None:
+    from enginekit.pipeline.cli import add_cache, add_export_triton, add_validate
+
+    add_validate(sub)
+    add_cache(sub)
+    add_export_triton(sub)
 
 
 # -- main --------------------------------------------------------------------------------------
 
 #: Subcommand registrars; features add theirs here.
-COMMANDS: list[Callable[[Any], None]] = [_add_build, _add_run, _add_inspect, _add_backends]
+COMMANDS: list[Callable[[Any], None]] = [
+    _add_build,
+    _add_run,
+    _add_inspect,
+    _add_backends,
+    _add_compare,
+    _add_bench,
+    _add_pipeline,
+]
+COMMANDS += [_add_export, _add_prepare]
+COMMANDS += [_add_calibrate, _add_build_calibration_flags]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -416,7 +648,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="enginekit",
         description="Turn trained models into fast, verified inference engines.",
-        epilog="exit codes: 0 ok, 1 failure, 2 usage error, 3 verification failed",
+        epilog="exit codes: 0 ok, 1 failure, 2 usage error (or invalid build file), 3 "
+        "verification or a build -c gate failed",
     )
     p.add_argument("--version", action="version", version=f"enginekit {enginekit.__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")

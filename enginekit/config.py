@@ -79,6 +79,15 @@ ShapesArg = Mapping[str, Any] | Sequence[Mapping[str, Any]] | str | Sequence[str
 
 
 def _as_profile(name: str, value: Any) -> ShapeProfile:
+    try:
+        return _as_profile_unnamed(name, value)
+    except BuildError as exc:
+        if f"input {name!r}" in str(exc):
+            raise
+        raise BuildError(f"shapes for input {name!r}: {exc}") from None
+
+
+def _as_profile_unnamed(name: str, value: Any) -> ShapeProfile:
     if isinstance(value, ShapeProfile):
         return value
     if isinstance(value, str):
@@ -115,7 +124,10 @@ def _parse_profile_text(name: str, text: str) -> ShapeProfile:
         return ShapeProfile.fixed(_parse_shape_text(name, parts[0]))
     if len(parts) == 3:
         lo, mid, hi = (_parse_shape_text(name, p) for p in parts)
-        return ShapeProfile(lo, mid, hi)
+        try:
+            return ShapeProfile(lo, mid, hi)
+        except BuildError as exc:
+            raise BuildError(f"shapes for input {name!r}: {exc}") from None
     raise BuildError(
         f"shapes for input {name!r}: {text!r} must be one shape (AxB) or min,opt,max (AxB,CxD,ExF)"
     )
@@ -179,6 +191,8 @@ class BuildConfig:
         atol, rtol: verification tolerance; None takes the precision's default.
         seed: seed of the random verification inputs.
         options: backend-specific options (each backend documents and validates its own).
+        simplify: simplify the graph before the backend builds it (enginekit.passes.simplify).
+        outputs: build only the subgraph computing these tensors (empty: the model's outputs).
     """
 
     backend: str = "onnxruntime"
@@ -190,8 +204,11 @@ class BuildConfig:
     rtol: float | None = None
     seed: int = 0
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    simplify: bool = True
+    outputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "outputs", tuple(self.outputs))
         try:
             object.__setattr__(self, "precision", Precision(self.precision))
         except ValueError:
@@ -220,6 +237,8 @@ class BuildConfig:
             "rtol": self.rtol,
             "seed": self.seed,
             "options": dict(self.options),
+            "simplify": self.simplify,
+            "outputs": list(self.outputs),
         }
 
     @classmethod

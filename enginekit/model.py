@@ -1,4 +1,4 @@
-"""The ONNX model as enginekit sees it: safe loading, IO specs, content hash, batch rewriting, lint."""
+"""The ONNX model as enginekit sees it: safe loading, IO specs, content hash, random feeds."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any, Union
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from enginekit.config import ShapeProfile
 from enginekit.engine import TensorSpec
@@ -241,134 +240,15 @@ def reference_session(model: Model, threads: int = 0) -> Any:
         raise ModelError(f"ONNX Runtime cannot load the model: {exc}") from None
 
 
-# -- dynamic batch -------------------------------------------------------------------------------
+# -- moved to enginekit.passes -----------------------------------------------------------------
+
+_MOVED = ("make_batch_dynamic", "lint_batch", "LintIssue", "rewrite_batch", "BatchRewrite")
 
 
-def _fixed_batch(proto: onnx.ModelProto) -> int | None:
-    init = {t.name for t in proto.graph.initializer}
-    sizes = set()
-    for v in proto.graph.input:
-        if v.name in init:
-            continue
-        dims = v.type.tensor_type.shape.dim
-        if not dims:
-            raise ModelError(f"input {v.name!r} is a scalar; it has no batch dim to make dynamic")
-        if dims[0].HasField("dim_value"):
-            sizes.add(dims[0].dim_value)
-    if len(sizes) > 1:
-        raise ModelError(
-            f"inputs disagree on their leading dim ({sorted(sizes)}); no single batch dim"
-        )
-    return sizes.pop() if sizes else None
+def __getattr__(name: str) -> Any:
+    # The batch rewriting and lint live in enginekit.passes now; keep the old names importable.
+    if name in _MOVED:
+        from enginekit import passes
 
-
-def _constant_values(proto: onnx.ModelProto) -> dict[str, tuple[str, Any]]:
-    found: dict[str, tuple[str, Any]] = {}
-    for t in proto.graph.initializer:
-        found[t.name] = ("initializer", t)
-    for node in proto.graph.node:
-        if node.op_type == "Constant" and node.output:
-            for attr in node.attribute:
-                if attr.name == "value":
-                    found[node.output[0]] = ("constant", attr)
-    return found
-
-
-def make_batch_dynamic(source: ModelSource, name: str = "batch") -> onnx.ModelProto:
-    """Rewrite a fixed leading batch dim of inputs and outputs to the symbolic dim ``name``.
-
-    Reshape shape constants whose first entry equals the fixed batch are rewritten to 0 (copy the
-    input's dim) where shape inference proves the Reshape's input carries the batch dim. Run
-    :func:`lint_batch` on the result to confirm every output follows the batch.
-    """
-    proto = onnx.ModelProto()
-    proto.CopyFrom(load_model(source).proto)
-    batch = _fixed_batch(proto)
-    init = {t.name for t in proto.graph.initializer}
-    for v in list(proto.graph.input) + list(proto.graph.output):
-        if v.name in init:
-            continue
-        dims = v.type.tensor_type.shape.dim
-        if dims and (dims[0].HasField("dim_param") or dims[0].dim_value == batch):
-            dims[0].Clear()
-            dims[0].dim_param = name
-    del proto.graph.value_info[:]
-    if batch is None:
-        return proto
-    for _ in range(sum(n.op_type == "Reshape" for n in proto.graph.node) + 1):
-        if not _fix_one_reshape(proto, batch, name):
-            break
-    return proto
-
-
-def _fix_one_reshape(proto: onnx.ModelProto, batch: int, name: str) -> bool:
-    inferred = onnx.shape_inference.infer_shapes(proto)
-    first_dim: dict[str, str | int | None] = {}
-    for v in list(inferred.graph.value_info) + list(inferred.graph.input):
-        dims = v.type.tensor_type.shape.dim
-        first_dim[v.name] = (dims[0].dim_param or dims[0].dim_value) if dims else None
-    constants = _constant_values(proto)
-    for node in proto.graph.node:
-        if node.op_type != "Reshape" or len(node.input) < 2:
-            continue
-        if any(a.name == "allowzero" and a.i == 1 for a in node.attribute):
-            continue
-        if first_dim.get(node.input[0]) != name or node.input[1] not in constants:
-            continue
-        kind, holder = constants[node.input[1]]
-        tensor = holder if kind == "initializer" else holder.t
-        values = numpy_helper.to_array(tensor).copy()
-        if values.ndim != 1 or not len(values) or values[0] != batch:
-            continue
-        values[0] = 0
-        new_name = f"{node.input[1]}__batch_dynamic"
-        proto.graph.initializer.append(numpy_helper.from_array(values, new_name))
-        node.input[1] = new_name
-        log.info("Reshape %s: batch %d in its shape constant rewritten to 0", node.name, batch)
-        return True
-    return False
-
-
-@dataclasses.dataclass(frozen=True)
-class LintIssue:
-    """An output whose leading dim did not follow the batch size."""
-
-    output: str
-    batch: int
-    shape: tuple[int, ...]
-
-    def __str__(self) -> str:
-        return (
-            f"output {self.output!r} has shape {self.shape} at batch {self.batch}: its leading "
-            "dim does not follow the batch (a batch size baked into a Reshape/Expand constant?)"
-        )
-
-
-def lint_batch(
-    source: ModelSource, sizes: tuple[int, int] = (1, 3), dims: Mapping[str, int] | None = None
-) -> list[LintIssue]:
-    """Run the model at two batch sizes on ONNX Runtime CPU; report outputs that did not follow.
-
-    Returns an empty list when every output's leading dim equals the batch size at both sizes.
-
-    Raises:
-        ModelError: the model has no dynamic leading dim on its inputs, or cannot run.
-    """
-    model = load_model(source)
-    if not all(s.shape and isinstance(s.shape[0], str) for s in model.inputs):
-        raise ModelError(
-            "batch lint: not every input has a dynamic leading dim; run make_batch_dynamic first"
-        )
-    session = reference_session(model)
-    names = [o.name for o in model.outputs]
-    issues = []
-    for b in sizes:
-        feeds = random_feeds(model.inputs, concrete_shapes(model.inputs, None, batch=b, dims=dims))
-        try:
-            results = session.run(names, feeds)
-        except Exception as exc:
-            raise ModelError(f"batch lint: the model fails at batch {b}: {exc}") from None
-        for n, r in zip(names, results):
-            if r.ndim == 0 or r.shape[0] != b:
-                issues.append(LintIssue(n, b, tuple(r.shape)))
-    return issues
+        return getattr(passes, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

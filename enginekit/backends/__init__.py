@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 _BUILTIN: dict[str, str] = {
     "onnxruntime": "enginekit.backends.onnxruntime",
+    "tensorrt": "enginekit.backends.tensorrt",
+    "xla": "enginekit.backends.xla",
     "tvm": "enginekit.backends.tvm",
 }
 

@@ -5,8 +5,11 @@ sessions on CPU, CUDA or TensorRT execution providers; an IO-binding path for de
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +29,10 @@ log = logging.getLogger(__name__)
 
 NAME = "onnxruntime"
 PAYLOAD = "model.onnx"
+#: Precisions this backend builds (the convention is in enginekit/calibration/plan.py). int8
+#: builds from the Q/DQ model enginekit writes; fp16/bf16 from a converted model; bf16 needs
+#: CUDA (ONNX Runtime's CPU provider has no bf16 kernels).
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 
 OPTIONS = {
     "optimization_level": "graph optimizations applied at build time: disable, basic, extended, "
@@ -37,6 +44,15 @@ OPTIONS = {
     "(default: ['cpu'] on cpu, ['cuda', 'cpu'] on cuda)",
     "io_binding": "bind inputs and outputs through IOBinding: true, false, or null (default: on "
     "for CUDA/TensorRT providers, where it avoids copies; off on CPU, where it measured slower)",
+    "int8_style": "Q/DQ layout for int8: auto (default: onnxruntime-cpu on CPU, tensorrt with "
+    "GPU providers), onnxruntime-cpu (uint8 activations, fastest on CPU) or tensorrt (int8, "
+    "zero points 0, float biases)",
+    "int8_per_channel": "per-channel int8 weight scales (default true)",
+    "int8_reduce_range": "7-bit int8 weights: auto (default: on for CPUs without VNNI, where "
+    "uint8 x int8 products can saturate), true or false",
+    "keep_io_types": "fp16/bf16: keep inputs and outputs float32 (default true)",
+    "trt_options": "TensorRT provider: extra raw provider options (dict) over the generated "
+    "profile, precision and engine-cache options",
 }
 
 _PROVIDERS = {
@@ -98,12 +114,35 @@ def _providers(options: dict[str, Any], device: str) -> list[str]:
     return out
 
 
-def _provider_options(providers: list[str], device: str) -> list[dict[str, str]]:
+def _provider_options(
+    providers: list[str], device: str, trt: dict[str, str] | None = None
+) -> list[dict[str, str]]:
     index = device.partition(":")[2] or "0"
-    return [
-        {"device_id": index} if p in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else {}
-        for p in providers
-    ]
+    out: list[dict[str, str]] = []
+    for p in providers:
+        if p == "TensorrtExecutionProvider" and trt is not None:
+            out.append(trt)
+        elif p in ("CUDAExecutionProvider", "TensorrtExecutionProvider"):
+            out.append({"device_id": index})
+        else:
+            out.append({})
+    return out
+
+
+def _trt_options(
+    inputs: list[TensorSpec], config: BuildConfig, cache_dir: Path, device: str
+) -> dict[str, str]:
+    """TensorRT EP options: explicit profiles, precision and the engine cache directory."""
+    from enginekit.backends.tensorrt import ortep
+
+    return ortep.provider_options(
+        inputs,
+        config.profiles,
+        config.precision,
+        str(cache_dir),
+        int(device.partition(":")[2] or 0),
+        config.options.get("trt_options"),
+    )
 
 
 def _session_options(options: dict[str, Any], level: str) -> Any:
@@ -127,6 +166,45 @@ def _session_options(options: dict[str, Any], level: str) -> Any:
     return so
 
 
+def qdq_options(config: BuildConfig) -> dict[str, Any]:
+    """Keyword arguments of ``write_qdq`` for an int8 build (see OPTIONS)."""
+    options = dict(config.options)
+    gpu = any(p != "CPUExecutionProvider" for p in _providers(options, config.device))
+    style = options.get("int8_style", "auto")
+    if style == "auto":
+        style = "tensorrt" if gpu else "onnxruntime-cpu"
+    if style not in ("onnxruntime-cpu", "tensorrt"):
+        raise BuildError(f"int8_style {style!r}: expected auto, onnxruntime-cpu or tensorrt")
+    reduce_range = options.get("int8_reduce_range", "auto")
+    if reduce_range == "auto":
+        vnni = {"avx512_vnni", "avx_vnni", "asimd"} & target.cpu_flags()
+        reduce_range = style == "onnxruntime-cpu" and not vnni
+    return {
+        "style": style,
+        "per_channel": bool(options.get("int8_per_channel", True)),
+        "reduce_range": bool(reduce_range),
+    }
+
+
+def _convert(model: Model, config: BuildConfig) -> bytes:
+    """The model bytes in the build's precision (fp16/bf16 converted; int8 is Q/DQ already)."""
+    keep_io = bool(config.options.get("keep_io_types", True))
+    if config.precision.value == "fp16":
+        from enginekit.calibration.convert import to_fp16
+
+        return to_fp16(model.proto, keep_io).SerializeToString()
+    if config.precision.value == "bf16":
+        if not config.device.startswith("cuda"):
+            raise BuildError(
+                "bf16 on ONNX Runtime needs device='cuda': its CPU provider has no bf16 kernels "
+                "(MatMul, Gemm, Add, Relu: NOT_IMPLEMENTED in 1.32). On CPU use fp32 or int8"
+            )
+        from enginekit.calibration.convert import to_bf16
+
+        return to_bf16(model.proto, keep_io).SerializeToString()
+    return model.to_bytes()
+
+
 def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     """Optimize the graph once for the target providers and save it as the payload."""
     ort = _ort()
@@ -135,12 +213,15 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     if level not in _LEVELS:
         raise BuildError(f"optimization_level {level!r}: expected one of {', '.join(_LEVELS)}")
     providers = _providers(options, config.device)
+    if "TensorrtExecutionProvider" in providers:
+        return _build_trt(model, config, workdir, providers, level)
     so = _session_options(options, level)
     out = workdir / PAYLOAD
     so.optimized_model_filepath = str(out)
+    data = _convert(model, config)
     try:
         ort.InferenceSession(
-            model.to_bytes(), so, providers=providers,
+            data, so, providers=providers,
             provider_options=_provider_options(providers, config.device),
         )  # fmt: skip
     except Exception as exc:
@@ -153,6 +234,54 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     )
 
 
+def _build_trt(
+    model: Model, config: BuildConfig, workdir: Path, providers: list[str], level: str
+) -> BuildResult:
+    """TensorRT EP: save a provider-neutral graph, then let a session build the TensorRT
+    engines into a cache directory whose files become payload files."""
+    from enginekit.model import concrete_shapes, random_feeds
+
+    ort = _ort()
+    # Above 'basic', ORT writes CPU-specific ops TensorRT cannot take; and a session with the
+    # TensorRT EP cannot save its (compiled) graph at all.
+    level = _LEVELS[min(_LEVELS.index(level), _LEVELS.index("basic"))]
+    so = _session_options(dict(config.options), level)
+    so.optimized_model_filepath = str(workdir / PAYLOAD)
+    ort.InferenceSession(model.to_bytes(), so, providers=["CPUExecutionProvider"])
+    cache = workdir / "trt_cache"
+    cache.mkdir()
+    try:
+        session = ort.InferenceSession(
+            (workdir / PAYLOAD).read_bytes(),
+            _session_options(dict(config.options), "disable"),
+            providers=providers,
+            provider_options=_provider_options(
+                providers,
+                config.device,
+                _trt_options(list(model.inputs), config, cache, config.device),
+            ),
+        )
+    except Exception as exc:
+        raise BuildError(
+            f"ONNX Runtime's TensorRT provider cannot build the model: {exc}"
+        ) from None
+    if "TensorrtExecutionProvider" not in session.get_providers():
+        raise BuildError(
+            f"ONNX Runtime fell back to {session.get_providers()}: its TensorRT provider is not "
+            "usable here (onnxruntime-gpu with TensorRT libraries and a GPU are needed)"
+        )
+    # One run per profile at its opt shapes: every engine is built and cached now, not at load.
+    for profile in config.profiles or [None]:
+        shapes = concrete_shapes(model.inputs, profile, "opt")
+        session.run(None, random_feeds(model.inputs, shapes, config.seed))
+    files = sorted(f"trt_cache/{p.name}" for p in cache.iterdir() if p.is_file())
+    return BuildResult(
+        files=(PAYLOAD, *files),
+        metadata={"optimization_level": level, "providers": providers, "trt_cache": files},
+        target={"kind": "cuda", "requires": []},
+    )
+
+
 def load(artifact: Artifact, device: str) -> Engine:
     """A session on the optimized payload; no graph optimization happens on load."""
     ort = _ort()
@@ -160,9 +289,20 @@ def load(artifact: Artifact, device: str) -> Engine:
     options = dict(manifest["config"].get("options", {}))
     providers = _providers(options, device)
     so = _session_options(options, "disable")
+    trt, cache = None, None
+    if "TensorrtExecutionProvider" in providers:
+        from enginekit.config import BuildConfig
+
+        # The EP may rewrite its cache: give it a private copy, never the artifact's files.
+        cache = Path(tempfile.mkdtemp(prefix="enginekit-trt-cache-"))
+        for name in artifact.payload_names:
+            if name.startswith("trt_cache/"):
+                shutil.copyfile(artifact.file(name), cache / Path(name).name)
+        config = BuildConfig.from_json(manifest["config"])
+        trt = _trt_options(_specs(manifest["inputs"]), config, cache, device)
     session = ort.InferenceSession(
         artifact.read(PAYLOAD), so, providers=providers,
-        provider_options=_provider_options(providers, device),
+        provider_options=_provider_options(providers, device, trt),
     )  # fmt: skip
     active = session.get_providers()
     fell_back = [p for p in providers if p not in active]
@@ -176,7 +316,10 @@ def load(artifact: Artifact, device: str) -> Engine:
     io_binding = options.get("io_binding")
     if io_binding is None:
         io_binding = any(p != "CPUExecutionProvider" for p in active)
-    return OrtEngine(session, manifest, io_binding=bool(io_binding), device=device)
+    engine = OrtEngine(session, manifest, io_binding=bool(io_binding), device=device)
+    if cache is not None:
+        weakref.finalize(engine, shutil.rmtree, cache, True)
+    return engine
 
 
 def _specs(items: list[dict[str, Any]]) -> list[TensorSpec]:

@@ -18,6 +18,7 @@ from enginekit.errors import ExportError
 
 _BUILTIN: dict[str, str] = {
     "torch": "enginekit.export.torch",
+    "tensorflow": "enginekit.export.tensorflow",
 }
 
 
@@ -52,6 +53,12 @@ def export(
     for mod in exporters().values():
         if mod.accepts(model):
             return mod.export(model, args, Path(path), **options)
+    if isinstance(model, (str, os.PathLike)):
+        takes = [f"{n}: {m.PATHS}" for n, m in exporters().items() if getattr(m, "PATHS", None)]
+        raise ExportError(
+            f"no exporter accepts the path {model}; paths they take: {'; '.join(takes)}. "
+            "An .onnx file needs no export: pass it to build()"
+        )
     raise ExportError(
         f"no exporter accepts a {type(model).__module__}.{type(model).__qualname__}; "
         f"registered exporters: {', '.join(exporters())}. Export it to ONNX yourself and "

@@ -1,6 +1,7 @@
 """One suite, every available backend: same models, same batches, same reference, same tolerance.
 
-A backend that is not installed or has no CPU device here is skipped with the reason it gives.
+A backend that is not installed is skipped with the reason it gives; one without a CPU device runs
+on its first CUDA device (TensorRT), or is skipped when it has neither.
 Batches: 1, an odd size, the profile's max, and max + 3 (which Engine must split and re-join).
 """
 
@@ -24,12 +25,20 @@ def _backend_params() -> list:
         marks = []
         if not avail.available:
             marks.append(pytest.mark.skip(reason=f"{name} unavailable: {avail.reason}"))
-        elif "cpu" not in avail.devices:
+        elif _device(name) is None:
             marks.append(
-                pytest.mark.skip(reason=f"{name} has no CPU device; devices: {avail.devices}")
+                pytest.mark.skip(reason=f"{name} has no CPU or CUDA device; {avail.devices}")
             )
         params.append(pytest.param(name, marks=marks, id=name))
     return params
+
+
+def _device(name: str) -> str | None:
+    """The device the suite runs ``name`` on: CPU where it has one, else its first CUDA device."""
+    devices = backends.availability(name).devices
+    if "cpu" in devices:
+        return "cpu"
+    return next((d for d in devices if d.startswith("cuda")), None)
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +54,7 @@ def engines(onnx_model, tmp_path_factory):
                 path,
                 backend=backend,
                 shapes=CASES[case].shapes,
+                device=_device(backend) or "cpu",
                 output=out / f"{case}-{backend}.ekit",
             )
             cache[key] = ek.load(out / f"{case}-{backend}.ekit")

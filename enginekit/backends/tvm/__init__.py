@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 NAME = "tvm"
 DYNAMIC = "model.so"
+PRECISIONS = ("fp32",)
 KERNELS = "kernels.json"
 
 OPTIONS = {

@@ -1,0 +1,126 @@
+"""Whether the lowering can take a model: ops, domains, attribute names, value types.
+
+Runs before anything is traced or compiled, and reports every offending node at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import onnx
+from onnx import numpy_helper
+
+from enginekit.errors import BuildError
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+#: Binary ops whose opset < 7 forms carry ``broadcast``/``axis`` attributes.
+LEGACY_BINARY = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Less", "Greater"}
+)
+#: Attributes old opsets carry that change nothing at inference time.
+IGNORED_ATTRS = frozenset({"consumed_inputs"})
+
+
+def opset_of(proto: onnx.ModelProto) -> int:
+    """The model's default-domain opset."""
+    return next((o.version for o in proto.opset_import if o.domain in DEFAULT_DOMAINS), 1)
+
+
+def attributes(node: onnx.NodeProto) -> dict[str, Any]:
+    """A node's attributes as Python values (strings decoded, tensors as numpy)."""
+    out: dict[str, Any] = {}
+    for attr in node.attribute:
+        if attr.name in IGNORED_ATTRS:
+            continue
+        if attr.type == onnx.AttributeProto.TENSOR:
+            out[attr.name] = numpy_helper.to_array(attr.t)
+            continue
+        if attr.type == onnx.AttributeProto.SPARSE_TENSOR:
+            out[attr.name] = attr.sparse_tensor
+            continue
+        value = onnx.helper.get_attribute_value(attr)
+        if isinstance(value, bytes):
+            value = value.decode("utf-8")
+        elif isinstance(value, list) and value and isinstance(value[0], bytes):
+            value = [v.decode("utf-8") for v in value]
+        out[attr.name] = value
+    return out
+
+
+def node_label(node: onnx.NodeProto, index: int) -> str:
+    return f"{node.name or f'#{index}'} ({node.op_type})"
+
+
+def _accepted_attrs(fn: Callable[..., Any]) -> set[str] | None:
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind != p.VAR_POSITIONAL} - {"channels_last"}
+
+
+def _type_problem(value: onnx.ValueInfoProto) -> str | None:
+    from enginekit.backends.xla.ops.common import UNSUPPORTED_TYPES
+
+    kind = value.type.WhichOneof("value")
+    if kind not in (None, "tensor_type"):
+        return f"a {kind.replace('_type', '')} value; only tensors are supported"
+    elem = value.type.tensor_type.elem_type
+    if kind and elem in UNSUPPORTED_TYPES:
+        name = onnx.TensorProto.DataType.Name(elem)
+        return f"type {name} (string, float8, float4, int4 and int2 tensors are not supported)"
+    return None
+
+
+def problems(proto: onnx.ModelProto) -> list[str]:
+    """Why the lowering cannot take each node it cannot take (empty: it takes them all)."""
+    from enginekit.backends.xla.ops import resolve
+
+    opset = opset_of(proto)
+    found = [
+        f"{kind} {v.name!r}: {_type_problem(v)}"
+        for kind, values in (("input", proto.graph.input), ("output", proto.graph.output))
+        for v in values
+        if _type_problem(v)
+    ]
+    for i, node in enumerate(proto.graph.node):
+        label = node_label(node, i)
+        if node.domain not in DEFAULT_DOMAINS:
+            found.append(
+                f"node {label}: op {node.domain}::{node.op_type} (only the default ONNX domain is supported)"
+            )
+            continue
+        fn = resolve(node.op_type, opset)
+        if fn is None:
+            found.append(f"node {label}: op {node.op_type} is not supported")
+            continue
+        if any(
+            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+            for a in node.attribute
+        ):
+            found.append(f"node {label}: subgraph attributes are not supported")
+            continue
+        accepted = _accepted_attrs(fn)
+        legacy = {"broadcast", "axis"} if opset < 7 and node.op_type in LEGACY_BINARY else set()
+        unknown = sorted(
+            {a.name for a in node.attribute} - IGNORED_ATTRS - legacy - (accepted or set())
+        )
+        if accepted is not None and unknown:
+            found.append(f"node {label}: attribute(s) {', '.join(unknown)} not supported")
+    return found
+
+
+def check(proto: onnx.ModelProto) -> None:
+    """Refuse, before any tracing or compiling, a model with an op the lowering lacks.
+
+    Raises:
+        BuildError: naming every unsupported op and the node using it.
+    """
+    found = problems(proto)
+    if found:
+        shown = "; ".join(found[:20]) + (f"; and {len(found) - 20} more" if len(found) > 20 else "")
+        raise BuildError(
+            f"the XLA backend cannot lower this model: {shown}. `enginekit backends` lists the "
+            "supported ops; use another backend (e.g. --backend onnxruntime) for this model"
+        )

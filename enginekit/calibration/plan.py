@@ -1,0 +1,193 @@
+"""What ``enginekit.build`` does for reduced precision: pick or make the calibration table,
+write the Q/DQ model the backend builds from, and verify the engine on real data.
+
+Backend convention (no registry change needed):
+
+- ``PRECISIONS``: a backend module may list the precisions it builds, e.g.
+  ``PRECISIONS = ("fp32", "fp16", "bf16", "int8")``; ``build`` refuses others, and
+  ``enginekit backends`` shows the list. A backend without it is trusted to check itself.
+- For ``int8`` a backend receives the Q/DQ model (``config.precision`` is int8), never the
+  table. It may define ``qdq_options(config) -> dict`` returning keyword arguments for
+  :func:`enginekit.calibration.writers.write_qdq` (style, per_channel, reduce_range); without
+  it the portable ``tensorrt`` style is used. A model that already carries Q/DQ nodes
+  (quantization-aware training) is handed over as it is.
+- fp16/bf16 models are the backend's to make (``enginekit.calibration.convert`` has both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from enginekit.calibration import run as run_calibration
+from enginekit.calibration.accuracy import Gates, accuracy_report, summarize
+from enginekit.calibration.collect import has_qdq
+from enginekit.calibration.data import DEFAULT_BATCH, Holdout, batches
+from enginekit.calibration.table import CalibrationTable, as_table
+from enginekit.calibration.writers import write_qdq
+from enginekit.config import BuildConfig, Precision
+from enginekit.engine import Engine
+from enginekit.errors import BuildError
+from enginekit.model import Model, load_model, random_feeds
+from enginekit.progress import step
+from enginekit.verify import verification_points
+
+log = logging.getLogger(__name__)
+
+#: Samples held out of ``calib_data`` for verification: every 10th, at most 512.
+HOLDOUT_EVERY = 10
+HOLDOUT_CAP = 512
+VERIFY_CAP = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """The reduced-precision arguments of ``build`` (all optional).
+
+    Attributes:
+        calibration: a CalibrationTable or the path of its JSON.
+        calib_data: calibration data to calibrate on the fly (any source ``calibrate`` takes);
+            every 10th sample is held out for verification.
+        calib_method: method for ``calib_data``: entropy, percentile or minmax.
+        verify_data: data to verify on (instead of the held-out samples).
+        gates: accuracy gates checked on the verification data.
+        allow_table_mismatch: accept a table made for another model hash.
+    """
+
+    calibration: CalibrationTable | str | os.PathLike | None = None
+    calib_data: Any = None
+    calib_method: str = "entropy"
+    verify_data: Any = None
+    gates: Gates = dataclasses.field(default_factory=Gates)
+    allow_table_mismatch: bool = False
+
+
+@dataclasses.dataclass
+class Prepared:
+    """The model the backend builds from, and what the manifest records about it."""
+
+    model: Model
+    table: CalibrationTable | None = None
+    held_out: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    entry: dict[str, Any] | None = None
+
+    @property
+    def table_hash(self) -> str | None:
+        return self.table.sha256 if self.table is not None else None
+
+
+def check_precision(backend: Any, config: BuildConfig) -> None:
+    """Refuse a precision the backend does not list in ``PRECISIONS`` (if it has the list)."""
+    listed = getattr(backend, "PRECISIONS", None)
+    if listed is not None and config.precision.value not in listed:
+        raise BuildError(
+            f"backend {config.backend!r} builds precisions {', '.join(listed)}, not "
+            f"{config.precision.value}"
+        )
+
+
+def prepare(model: Model, config: BuildConfig, backend: Any, q: Quantization) -> Prepared:
+    """The model to hand the backend: the source, or for int8 its Q/DQ version.
+
+    Raises:
+        BuildError: int8 without a table or data; both given; data or table arguments given
+            for a precision that takes none.
+        CalibrationError: bad data, or a table for another model.
+    """
+    if config.precision != Precision.INT8:
+        given = [
+            name
+            for name, value in (
+                ("calibration", q.calibration), ("calib_data", q.calib_data),
+                ("verify_data", q.verify_data), ("min_top1_agreement", q.gates.min_top1_agreement),
+                ("max_abs_error", q.gates.max_abs_error),
+            )
+            if value is not None
+        ]  # fmt: skip
+        if given:
+            raise BuildError(
+                f"{', '.join(given)}: for precision='int8'; this build is "
+                f"{config.precision.value}, verified at a tolerance (atol=, rtol=)"
+            )
+        return Prepared(model)
+    if q.calibration is not None and q.calib_data is not None:
+        raise BuildError("give calibration= (a table) or calib_data= (data), not both")
+    if has_qdq(model.proto):
+        if q.calibration is not None or q.calib_data is not None:
+            log.warning("the model already carries Q/DQ nodes; its own scales are used")
+        return Prepared(model, entry={"source": "model (Q/DQ nodes already present)"})
+    held = Holdout(HOLDOUT_EVERY, HOLDOUT_CAP)
+    if q.calibration is not None:
+        table = as_table(q.calibration)
+    elif q.calib_data is not None:
+        table = run_calibration(
+            model, q.calib_data, q.calib_method, profile=_profile(config), holdout=held
+        )
+    else:
+        raise BuildError(
+            "precision='int8' needs calibration: pass calibration=<table or calib.json> "
+            "(enginekit calibrate makes one) or calib_data=<representative inputs>; a model "
+            "with Q/DQ nodes (quantization-aware training) needs neither"
+        )
+    table.check_model(model.sha256, q.allow_table_mismatch)
+    hook = getattr(backend, "qdq_options", None)
+    options = dict(hook(config)) if hook is not None else {}
+    with step("writing the Q/DQ model"):
+        qdq = write_qdq(model, table, allow_table_mismatch=q.allow_table_mismatch, **options)
+    entry = {**table.manifest_entry(), "qdq": {"style": "tensorrt", **options}}
+    return Prepared(load_model(qdq), table, held.held, entry)
+
+
+def _profile(config: BuildConfig) -> Mapping[str, Any] | None:
+    return config.profiles[0] if len(config.profiles) == 1 else None
+
+
+def verify(
+    engine: Engine, model: Model, config: BuildConfig, prepared: Prepared, q: Quantization
+) -> dict[str, Any]:
+    """Accuracy report of an int8 engine against the float32 source model.
+
+    On ``verify_data`` if given, else on the samples held out of ``calib_data``, else (a table
+    and no data) on random inputs, where only ``max_abs_error`` is checked.
+    """
+    if q.verify_data is not None:
+        data = batches(q.verify_data, model.inputs, DEFAULT_BATCH, VERIFY_CAP, _profile(config))
+        label = "verify_data"
+    elif prepared.held_out:
+        data = iter(prepared.held_out)
+        label = f"held-out calibration samples (every {HOLDOUT_EVERY}th)"
+    else:
+        if q.gates.min_top1_agreement is not None:
+            raise BuildError(
+                "min_top1_agreement needs real data: pass verify_data= or calib_data= (random "
+                "inputs say nothing about top-1 agreement)"
+            )
+        log.warning(
+            "int8 verification on random inputs: pass verify_data= (or calib_data=) for an "
+            "accuracy check on real data"
+        )
+        points = verification_points(model, engine.profiles)
+        data = iter(
+            random_feeds(model.inputs, s, seed=config.seed + i) for i, s in enumerate(points)
+        )
+        label = "random inputs (no held-out data; only max_abs_error is checked)"
+    with step(f"verifying int8 against float32 on {label}"):
+        report = accuracy_report(engine, model, data, q.gates, label)
+    log.info("int8 accuracy: %s", summarize(report))
+    return report
+
+
+__all__ = [
+    "Gates",
+    "Prepared",
+    "Quantization",
+    "check_precision",
+    "has_qdq",
+    "prepare",
+    "verify",
+]

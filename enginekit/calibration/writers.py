@@ -1,0 +1,314 @@
+"""Turn a CalibrationTable into what each backend consumes.
+
+- :func:`write_qdq`: a Q/DQ ONNX model (QuantizeLinear/DequantizeLinear pairs), the form
+  TensorRT 10/11 (explicit quantization), ONNX Runtime and TVM build INT8 engines from.
+  ONNX Runtime's quantizer places the pairs and quantizes the weights; our table supplies every
+  activation range (through its calibration-cache hook), so ORT's own calibrators never run.
+- :func:`write_trt_cache` / :func:`read_trt_cache`: TensorRT's legacy calibration cache text
+  (for TensorRT <= 10 implicit calibration). Written by hand: nothing in ORT writes it.
+- :func:`write_ort_trt_table`: ONNX Runtime's TensorRT execution provider table, through
+  ``onnxruntime.quantization.write_calibration_table``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from enginekit.calibration.collect import has_qdq
+from enginekit.calibration.table import INT8_MAX, CalibrationTable
+from enginekit.errors import CalibrationError
+from enginekit.model import Model, ModelSource, load_model
+
+log = logging.getLogger(__name__)
+
+#: Q/DQ placement styles. ``tensorrt``: int8 activations with zero point 0, pairs only on the
+#: inputs of Conv/Gemm/MatMul and of Add (residual joins), biases left in float, as TensorRT
+#: fuses them. ``onnxruntime-cpu``: uint8 activations over each tensor's clipped [min, max]
+#: (Relu then folds into the zero point), int32 biases, every op ORT has a QLinear kernel for:
+#: the layout ORT's CPU kernels run fastest (see docs/calibration.md for the measurements).
+STYLES = ("tensorrt", "onnxruntime-cpu")
+_LARGE_BYTES = 1 << 30
+_TRT_OPS = ["Conv", "ConvTranspose", "Gemm", "MatMul", "Add"]
+
+
+def write_qdq(
+    model: ModelSource,
+    table: CalibrationTable,
+    path: str | os.PathLike | None = None,
+    *,
+    style: str = "tensorrt",
+    per_channel: bool = True,
+    reduce_range: bool = False,
+    op_types: Sequence[str] | None = None,
+    exclude_nodes: Sequence[str] = (),
+    allow_table_mismatch: bool = False,
+    symbolic_shapes: bool = False,
+) -> onnx.ModelProto:
+    """A Q/DQ ONNX model quantized with the table's ranges; standard ``ai.onnx`` ops only.
+
+    Weights are int8, symmetric, per output channel (per tensor with ``per_channel=False``).
+
+    Args:
+        model: the float model the table was made for.
+        table: its calibration table.
+        path: also write the model here.
+        style: ``tensorrt`` (portable: int8, zero points 0, float biases) or
+            ``onnxruntime-cpu`` (uint8 activations, the fast layout for ORT's CPU kernels).
+        per_channel: per-channel weight scales (else one scale per weight tensor).
+        reduce_range: 7-bit weights (helps accuracy on x86 CPUs without VNNI).
+        op_types: op types to quantize (default: the style's).
+        exclude_nodes: node names to leave in float.
+        allow_table_mismatch: accept a table made for another model hash.
+        symbolic_shapes: run ORT's symbolic shape inference first (for models whose shapes
+            ONNX shape inference cannot work out; it imports torch, ~10 s).
+
+    Raises:
+        CalibrationError: a table for another model, a model already holding Q/DQ, or a
+            tensor the quantizer needs that the table lacks.
+    """
+    if style not in STYLES:
+        raise CalibrationError(f"Q/DQ style {style!r} is not one of {', '.join(STYLES)}")
+    m = load_model(model)
+    table.check_model(m.sha256, allow_table_mismatch)
+    if has_qdq(m.proto):
+        raise CalibrationError(
+            "the model already carries QuantizeLinear/DequantizeLinear nodes; it is quantized "
+            "already (build it with precision='int8' as it is)"
+        )
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.calibrate import TensorData, TensorsData, save_tensors_data
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    trt = style == "tensorrt"
+    ranges = {}
+    for name, r in table.tensors.items():
+        lo, hi = (-r.amax, r.amax) if trt else r.clipped_range()
+        ranges[name] = TensorData(lowest=np.float32(lo), highest=np.float32(hi))
+    ops = list(op_types) if op_types is not None else (_TRT_OPS if trt else None)
+    extra: dict[str, Any] = {
+        "ActivationSymmetric": trt,
+        "WeightSymmetric": True,
+        "QuantizeBias": not trt,
+    }
+    if trt:
+        # TensorRT wants Q/DQ on inputs only; it fuses a weighted op's output itself.
+        extra["OpTypesToExcludeOutputQuantization"] = list(ops or _TRT_OPS)
+    with tempfile.TemporaryDirectory(prefix="enginekit-qdq-") as tmp:
+        src, pre, out = (Path(tmp) / n for n in ("model.onnx", "pre.onnx", "qdq.onnx"))
+        cache = Path(tmp) / "ranges.json"
+        # Past 1 GiB, weights go to external data files (protobuf stops at 2 GiB).
+        large = m.proto.ByteSize() > _LARGE_BYTES
+        onnx.save_model(m.proto, str(src), save_as_external_data=large, location="model.data")
+        # skip_optimization keeps tensor names (the table's keys) and standard-domain ops.
+        quant_pre_process(
+            str(src), str(pre), skip_optimization=True, skip_symbolic_shape=not symbolic_shapes,
+            save_as_external_data=large, external_data_location="pre.data",
+        )  # fmt: skip
+        save_tensors_data(TensorsData(CalibrationMethod.MinMax, ranges), cache)
+        try:
+            quantize_static(
+                str(pre),
+                str(out),
+                calibration_data_reader=None,
+                calibration_cache_path=str(cache),
+                quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=ops,
+                per_channel=per_channel,
+                reduce_range=reduce_range,
+                activation_type=QuantType.QInt8 if trt else QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+                nodes_to_exclude=list(exclude_nodes),
+                calibrate_method=CalibrationMethod.MinMax,
+                extra_options=extra,
+                use_external_data_format=large,
+            )
+        except KeyError as exc:
+            raise CalibrationError(
+                f"the quantizer needs a range for tensor {exc} that the table does not have; "
+                "was the table made for this model? Recalibrate it"
+            ) from None
+        proto = onnx.load_model(str(out))
+    if trt:
+        _residual_adds(proto)
+    _check_standard_domain(proto)
+    proto.doc_string = (
+        f"Q/DQ ({style}) by enginekit from calibration table {table.sha256[:16]} "
+        f"({table.method}, {table.samples} samples)"
+    )
+    if path is not None:
+        Model(proto, None, "", (), ()).save(path)
+    return proto
+
+
+_WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def _residual_adds(proto: onnx.ModelProto) -> None:
+    """Leave a residual Add's weighted-op input unquantized, as TensorRT wants it.
+
+    ORT quantizes both inputs of an Add. TensorRT fuses ``Add(conv(x), DQ(Q(skip)))`` into the
+    Conv when only the skip branch carries Q/DQ; a Q/DQ pair on the Conv's own output would
+    make it a separate int8 op. Where both inputs come from weighted ops (a downsampling
+    block), the second (the residual branch, by PyTorch's ``out + identity``) keeps its pair.
+    Written by hand: ORT's quantizer has no per-input placement.
+    """
+    nodes = list(proto.graph.node)
+    producer = {o: n for n in nodes for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in nodes:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+
+    def quantized(name: str) -> tuple[str, onnx.NodeProto, onnx.NodeProto] | None:
+        """(float tensor, Q, DQ) when ``name`` is DQ(Q(tensor))."""
+        dq = producer.get(name)
+        if dq is None or dq.op_type != "DequantizeLinear":
+            return None
+        q = producer.get(dq.input[0])
+        if q is None or q.op_type != "QuantizeLinear":
+            return None
+        return q.input[0], q, dq
+
+    dropped: set[int] = set()
+    for add in nodes:
+        if add.op_type != "Add" or len(add.input) != 2:
+            continue
+        pairs = [quantized(i) for i in add.input]
+        if pairs[0] is None or pairs[1] is None:
+            continue
+        weighted = [
+            k for k, p in enumerate(pairs)
+            if p is not None and getattr(producer.get(p[0]), "op_type", "") in _WEIGHTED
+        ]  # fmt: skip
+        if not weighted:
+            continue
+        k = weighted[0]
+        tensor, q, dq = pairs[k]  # type: ignore[misc]
+        # Only a pair that exists for this Add alone is removed.
+        if [len(consumers[t]) for t in (tensor, q.output[0], dq.output[0])] != [1, 1, 1]:
+            continue
+        add.input[k] = tensor
+        dropped.update((id(q), id(dq)))
+    kept = [n for n in nodes if id(n) not in dropped]
+    del proto.graph.node[:]
+    proto.graph.node.extend(kept)
+
+
+def _check_standard_domain(proto: onnx.ModelProto) -> None:
+    other = sorted({f"{n.domain}:{n.op_type}" for n in proto.graph.node if n.domain})
+    if other:
+        raise CalibrationError(
+            f"the Q/DQ model holds non-standard ops {', '.join(other)}; TensorRT would reject "
+            "it. Report this with the model"
+        )
+
+
+# -- TensorRT's legacy calibration cache ---------------------------------------------------------
+
+TRT_ALGORITHMS = ("EntropyCalibration2", "EntropyCalibration", "MinMaxCalibration")
+
+
+def trt_version_number(version: str) -> int:
+    """TensorRT's NV_TENSORRT_VERSION for a version string: 8.6.1 -> 8601, 10.3.0 -> 100300."""
+    try:
+        parts = [int(p) for p in version.split(".")[:3]]
+    except ValueError:
+        raise CalibrationError(
+            f"TensorRT version {version!r}: expected e.g. 8.6.1 or 10.3.0"
+        ) from None
+    major, minor, patch = [*parts, 0, 0][:3]
+    return major * (10000 if major >= 10 else 1000) + minor * 100 + patch
+
+
+def write_trt_cache(
+    table: CalibrationTable,
+    path: str | os.PathLike,
+    trt_version: str = "10.0.0",
+    algorithm: str = "EntropyCalibration2",
+) -> Path:
+    """TensorRT's calibration cache text: a ``TRT-<version>-<algorithm>`` header, then one
+    ``tensor: <hex>`` line per tensor, hex of the big-endian float32 bits of ``amax / 127``.
+
+    TensorRT skips a cache whose header does not match its version and calibrator, so give
+    your TensorRT version and the calibrator class you use (IInt8EntropyCalibrator2 ->
+    EntropyCalibration2, IInt8MinMaxCalibrator -> MinMaxCalibration).
+    """
+    if algorithm not in TRT_ALGORITHMS:
+        raise CalibrationError(f"algorithm {algorithm!r} is not one of {', '.join(TRT_ALGORITHMS)}")
+    lines = [f"TRT-{trt_version_number(trt_version)}-{algorithm}"]
+    for name, r in table.tensors.items():
+        if ":" in name or "\n" in name:
+            raise CalibrationError(f"tensor name {name!r} cannot be written in a TensorRT cache")
+        bits = struct.pack(">f", np.float32(r.amax / INT8_MAX if r.amax > 0 else 1.0))
+        lines.append(f"{name}: {bits.hex()}")
+    path = Path(path)
+    path.write_text("\n".join(lines) + "\n", encoding="ascii")
+    return path
+
+
+def read_trt_cache(path: str | os.PathLike) -> tuple[str, dict[str, float]]:
+    """Parse a TensorRT calibration cache: (header, tensor name -> scale).
+
+    Raises:
+        CalibrationError: not a TensorRT calibration cache.
+    """
+    text = Path(path).read_text(encoding="ascii", errors="replace").splitlines()
+    if not text or not text[0].startswith("TRT-"):
+        raise CalibrationError(f"{path}: no TRT-<version>-<algorithm> header line")
+    scales = {}
+    for number, line in enumerate(text[1:], start=2):
+        if not line.strip():
+            continue
+        name, sep, value = line.rpartition(": ")
+        try:
+            if not sep:
+                raise ValueError("no ': '")
+            scales[name] = struct.unpack(">f", bytes.fromhex(value.strip()))[0]
+        except (ValueError, struct.error) as exc:
+            raise CalibrationError(
+                f"{path}:{number}: not 'tensor: <8 hex digits>' ({exc})"
+            ) from None
+    return text[0], scales
+
+
+# -- ONNX Runtime's TensorRT execution provider table -------------------------------------------
+
+
+def write_ort_trt_table(table: CalibrationTable, directory: str | os.PathLike) -> dict[str, Path]:
+    """ONNX Runtime's TensorRT EP calibration table, by ORT's own writer.
+
+    Writes ``calibration.flatbuffers`` (what the EP reads: set ``trt_int8_enable`` and
+    ``trt_int8_calibration_table_name``), ``calibration.cache`` and ``calibration.json``.
+    Each tensor's value is its ``amax``; the EP sets the dynamic range to [-amax, amax].
+    """
+    from onnxruntime.quantization import write_calibration_table
+    from onnxruntime.quantization.calibrate import TensorData
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cache = {
+        name: TensorData(lowest=np.float32(-r.amax), highest=np.float32(r.amax))
+        for name, r in table.tensors.items()
+    }
+    write_calibration_table(cache, dir=str(directory))
+    names = ("calibration.flatbuffers", "calibration.cache", "calibration.json")
+    return {n.split(".")[1]: directory / n for n in names}
+
+
+def qdq_scales(proto: onnx.ModelProto) -> Mapping[str, np.ndarray]:
+    """Scale of every QuantizeLinear in a Q/DQ model, by the tensor it quantizes."""
+    init = {t.name: t for t in proto.graph.initializer}
+    out = {}
+    for node in proto.graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[1] in init:
+            out[node.input[0]] = onnx.numpy_helper.to_array(init[node.input[1]])
+    return out

@@ -1,0 +1,243 @@
+"""``enginekit export`` and ``enginekit prepare``: framework -> ONNX, and ONNX -> rewritten ONNX."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from enginekit.cli import EXIT_OK, UsageError, _emit, _format_specs, load_inputs
+
+# -- export ------------------------------------------------------------------------------------
+
+
+def add_export(sub: Any) -> None:
+    """Register ``enginekit export``."""
+    p = sub.add_parser(
+        "export",
+        help="export a TensorFlow, Keras or PyTorch model to ONNX, checked against the framework",
+    )
+    p.add_argument(
+        "model",
+        help="a SavedModel directory, a .keras file, or module:object / file.py:object naming a "
+        "tf.function, Keras model or torch module (or a function returning one)",
+    )
+    p.add_argument("-o", "--output", required=True, help="the ONNX file to write")
+    p.add_argument(
+        "--input",
+        "-i",
+        action="append",
+        default=[],
+        metavar="NAME=FILE.npy|FILE.npz",
+        help="example inputs (PyTorch models and TF functions without an input_signature need them)",
+    )
+    p.add_argument("--static-batch", action="store_true", help="keep the batch dim fixed")
+    p.add_argument(
+        "--dynamic",
+        action="append",
+        default=[],
+        metavar="INPUT:AXIS=NAME",
+        help="another dynamic dim, e.g. ids:1=seq (repeat; one name shared by inputs that agree)",
+    )
+    p.add_argument("--output-names", metavar="A,B", help="names of the outputs, in order")
+    p.add_argument("--opset", type=int, help="ONNX opset (TensorFlow: 9..18)")
+    p.add_argument("--signature", help="the SavedModel signature to export (serving_default)")
+    p.add_argument("--no-check", action="store_true", help="skip the check against the framework")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_export)
+
+
+_DYNAMIC = re.compile(r"^(?P<input>[^:]+):(?P<axis>-?\d+)=(?P<name>\w+)$")
+
+
+def parse_dynamic(specs: list[str]) -> dict[str, dict[int, str]]:
+    """``["ids:1=seq", "mask:1=seq"]`` -> ``{"ids": {1: "seq"}, "mask": {1: "seq"}}``."""
+    out: dict[str, dict[int, str]] = {}
+    for spec in specs:
+        m = _DYNAMIC.match(spec)
+        if not m:
+            raise UsageError(f"--dynamic {spec!r}: expected INPUT:AXIS=NAME, e.g. ids:1=seq")
+        out.setdefault(m["input"], {})[int(m["axis"])] = m["name"]
+    return out
+
+
+def resolve(spec: str) -> Any:
+    """The object ``module:attr`` or ``file.py:attr`` names; a path stays a path.
+
+    A function that no exporter takes is called without arguments and its result used, so
+    ``models:make_model`` works as well as ``models:model``.
+    """
+    if os.path.exists(spec) or ":" not in spec:
+        return spec
+    where, _, attr = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            loader = importlib.util.spec_from_file_location(Path(where).stem, where)
+            if loader is None or loader.loader is None:
+                raise ImportError(f"cannot load {where}")
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[loader.name] = module
+            loader.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(where)
+        obj: Any = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, OSError, SyntaxError) as exc:
+        raise UsageError(f"{spec}: cannot load it ({type(exc).__name__}: {exc})") from None
+    from enginekit.export import exporters
+
+    if callable(obj) and not any(m.accepts(obj) for m in exporters().values()):
+        obj = obj()
+    return obj
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import enginekit as ek
+    from enginekit.export import torch as torch_export
+
+    model = resolve(args.model)
+    feeds = load_inputs(args.input) if args.input else None
+    example: Any = feeds
+    if feeds is not None and torch_export.accepts(model):
+        import torch
+
+        example = tuple(torch.from_numpy(a) for a in feeds.values())
+    options: dict[str, Any] = {
+        "dynamic_batch": not args.static_batch,
+        "dynamic_dims": parse_dynamic(args.dynamic) or None,
+        "check": not args.no_check,
+    }
+    if args.output_names:
+        options["output_names"] = [n for n in args.output_names.split(",") if n]
+    if args.opset is not None:
+        options["opset"] = args.opset
+    if args.signature:
+        options["signature"] = args.signature
+    path = ek.export(model, example, args.output, **options)
+    written = ek.load_model(path)
+    info: dict[str, Any] = {
+        "path": str(path),
+        "opset": written.opset,
+        "sha256": written.sha256,
+        "inputs": [s.to_json() for s in written.inputs],
+        "outputs": [s.to_json() for s in written.outputs],
+        "checked": not args.no_check,
+    }
+    text = (
+        f"exported {path} (opset {written.opset}"
+        + (", checked against the framework" if info["checked"] else ", not checked")
+        + f")\ninputs   {_format_specs(info['inputs'])}\noutputs  {_format_specs(info['outputs'])}"
+    )
+    _emit(args, info, text)
+    return EXIT_OK
+
+
+# -- prepare -----------------------------------------------------------------------------------
+
+
+def add_prepare(sub: Any) -> None:
+    """Register ``enginekit prepare``."""
+    p = sub.add_parser(
+        "prepare",
+        help="rewrite an ONNX model: subgraph, renaming, dynamic batch, simplification, opset",
+    )
+    p.add_argument("model", help="ONNX model file")
+    p.add_argument("-o", "--output", required=True, help="the ONNX file to write")
+    p.add_argument("--outputs", metavar="A,B", help="keep only the subgraph computing these")
+    p.add_argument(
+        "--rename", action="append", default=[], metavar="OLD=NEW", help="rename an input/output"
+    )
+    p.add_argument(
+        "--batch-dynamic",
+        action="store_true",
+        help="make a fixed leading batch dim symbolic (legacy exports included), then lint it",
+    )
+    p.add_argument("--no-simplify", action="store_true", help="skip graph simplification")
+    p.add_argument("--opset", type=int, help="convert to this ai.onnx opset")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_prepare)
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    import enginekit as ek
+    from enginekit import passes
+
+    source = ek.load_model(args.model)
+    proto = source.proto
+    steps: list[dict[str, Any]] = []
+
+    def record(name: str, new: Any, **detail: Any) -> Any:
+        steps.append(
+            {
+                "name": name,
+                "nodes_before": passes.count_nodes(proto),
+                "nodes_after": passes.count_nodes(new),
+                **detail,
+            }
+        )
+        return new
+
+    if args.outputs:
+        proto = record("extract", passes.extract(proto, [o for o in args.outputs.split(",") if o]))
+    if args.rename:
+        pairs = [r.partition("=") for r in args.rename]
+        if any(not sep or not old or not new for old, sep, new in pairs):
+            raise UsageError("--rename expects OLD=NEW")
+        proto = record("rename", passes.rename(proto, {old: new for old, _, new in pairs}))
+    if args.batch_dynamic:
+        result = passes.rewrite_batch(proto)
+        unproven = list(result.unproven)
+        proto = record(
+            "batch_dynamic", result.model, changes=list(result.rewritten), unproven=unproven
+        )
+    if not args.no_simplify:
+        proto = record("simplify", passes.simplify(proto))
+    if args.opset is not None:
+        proto = record("convert_opset", passes.convert_opset(proto, args.opset), to=args.opset)
+    model = ek.load_model(proto)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    os.close(fd)
+    try:
+        model.save(tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    info: dict[str, Any] = {
+        "path": str(out),
+        "opset": model.opset,
+        "inputs": [s.to_json() for s in model.inputs],
+        "outputs": [s.to_json() for s in model.outputs],
+        "steps": steps,
+    }
+    if args.batch_dynamic:
+        try:
+            problems = [str(i) for i in ek.lint_batch(model)]
+        except ek.ModelError as exc:  # e.g. it fails outright at another batch size
+            problems = [str(exc)]
+        info["batch_lint"] = {"passed": not problems, "issues": problems}
+    lines = [f"wrote {out} (opset {model.opset})"]
+    for st in steps:
+        lines.append(f"  {st['name']:<14} {st['nodes_before']} -> {st['nodes_after']} nodes")
+        lines += [f"    {c}" for c in st.get("changes", [])]
+        lines += [f"    NOT PROVEN: {u}" for u in st.get("unproven", [])]
+    lines += [
+        f"inputs   {_format_specs(info['inputs'])}",
+        f"outputs  {_format_specs(info['outputs'])}",
+    ]
+    if "batch_lint" in info:
+        lint = info["batch_lint"]
+        lines.append("batch lint " + ("ok" if lint["passed"] else "; ".join(lint["issues"])))
+    _emit(args, info, "\n".join(lines))
+    return EXIT_OK

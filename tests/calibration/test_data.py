@@ -1,0 +1,173 @@
+"""Calibration data sources and their checks against the model's inputs."""
+
+from __future__ import annotations
+
+import calib_models
+import numpy as np
+import pytest
+
+import enginekit as ek
+from enginekit.calibration.data import Holdout, batches
+from enginekit.config import ShapeProfile
+from enginekit.engine import TensorSpec
+from enginekit.errors import CalibrationError
+
+# Fixtures shared by the calibration tests (see calib_models).
+tiny_cnn_path = calib_models.tiny_cnn_path
+other_model_path = calib_models.other_model_path
+calib_x = calib_models.calib_x
+tiny_table = calib_models.tiny_table
+
+
+X = TensorSpec("x", "float32", ("batch", 3, 8, 8))
+TWO = (TensorSpec("a", "float32", ("batch", 4)), TensorSpec("b", "int64", ("batch", 2)))
+
+
+def _rows(stream) -> list[int]:
+    return [next(iter(f.values())).shape[0] for f in stream]
+
+
+def test_array_is_split_into_batches():
+    data = np.zeros((70, 3, 8, 8), np.float32)
+    assert _rows(batches(data, [X], batch_size=32)) == [32, 32, 6]
+
+
+def test_dict_of_arrays_for_several_inputs():
+    data = {"a": np.zeros((5, 4), np.float32), "b": np.zeros((5, 2), np.int64)}
+    out = list(batches(data, TWO, batch_size=2))
+    assert _rows(out) == [2, 2, 1] and set(out[0]) == {"a", "b"}
+
+
+def test_npz_file_one_key_per_input(tmp_path):
+    path = tmp_path / "calib.npz"
+    np.savez(path, a=np.ones((3, 4), np.float32), b=np.ones((3, 2), np.int64))
+    assert _rows(batches(path, TWO, batch_size=2)) == [2, 1]
+
+
+def test_folder_of_per_input_npy_is_memory_mapped(tmp_path):
+    np.save(tmp_path / "a.npy", np.ones((7, 4), np.float32))
+    np.save(tmp_path / "b.npy", np.ones((7, 2), np.int64))
+    out = list(batches(tmp_path, TWO, batch_size=4))
+    assert _rows(out) == [4, 3] and all(type(a) is np.ndarray for a in out[0].values())
+
+
+def test_folder_of_batch_files_read_in_name_order(tmp_path):
+    for i, rows in enumerate([2, 3, 1]):
+        np.save(tmp_path / f"batch_{i:03d}.npy", np.full((rows, 3, 8, 8), i, np.float32))
+    out = list(batches(tmp_path, [X]))
+    assert _rows(out) == [2, 3, 1] and [float(f["x"][0, 0, 0, 0]) for f in out] == [0, 1, 2]
+
+
+def test_iterable_of_tuples_ignores_trailing_labels():
+    items = [(np.zeros((4, 3, 8, 8), np.float32), np.arange(4)) for _ in range(3)]
+    assert _rows(batches(items, [X])) == [4, 4, 4]
+
+
+def test_generator_stops_at_max_samples():
+    def endless():
+        while True:
+            yield {"x": np.zeros((8, 3, 8, 8), np.float32)}
+
+    assert _rows(batches(endless(), [X], max_samples=20)) == [8, 8, 4]
+
+
+def test_single_samples_without_batch_axis():
+    items = [np.zeros((3, 8, 8), np.float32) for _ in range(3)]
+    assert _rows(batches(items, [X])) == [1, 1, 1]
+
+
+def test_objects_with_array_protocol_are_accepted():
+    class Wrapped:
+        def __init__(self, a: np.ndarray) -> None:
+            self.a = a
+
+        def __array__(self, dtype=None, copy=None):
+            return self.a
+
+    assert _rows(batches([Wrapped(np.zeros((2, 3, 8, 8), np.float32))], [X])) == [2]
+
+
+def test_torch_dataloader_works_without_enginekit_importing_torch():
+    torch = pytest.importorskip("torch", reason="DataLoader source")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    ds = TensorDataset(torch.zeros(10, 3, 8, 8), torch.zeros(10, dtype=torch.long))
+    assert _rows(batches(DataLoader(ds, batch_size=4), [X])) == [4, 4, 2]
+
+
+@pytest.mark.parametrize(
+    "item, match",
+    [
+        (np.zeros((2, 3, 8, 8), np.float64), "dtype float64, the model takes float32"),
+        (np.zeros((2, 3, 8), np.float32), r"rank 3\), the model takes rank 4"),
+        (np.zeros((2, 3, 8, 9), np.float32), "dim 3 must be 8"),
+        ({"y": np.zeros((2, 3, 8, 8), np.float32)}, "missing input.*'x'.*unknown input.*'y'"),
+        ("not an array", "expected an array"),
+    ],
+    ids=["dtype", "rank", "fixed-dim", "name", "type"],
+)
+def test_bad_batches_are_refused_with_a_clear_error(item, match):
+    with pytest.raises(CalibrationError, match=match):
+        list(batches([item], [X]))
+
+
+def test_missing_input_of_a_two_input_model_and_row_mismatch():
+    with pytest.raises(CalibrationError, match=r"missing input.*'b'"):
+        list(batches([{"a": np.zeros((2, 4), np.float32)}], TWO))
+    with pytest.raises(CalibrationError, match="different numbers of rows"):
+        list(batches({"a": np.zeros((2, 4), np.float32), "b": np.zeros((3, 2), np.int64)}, TWO))
+
+
+def test_dims_outside_the_profile_are_refused():
+    spec = TensorSpec("ids", "int64", ("batch", "seq"))
+    profile = {"ids": ShapeProfile((1, 2), (4, 8), (8, 16))}
+    with pytest.raises(CalibrationError, match=r"dim 1 is outside the build profile 2\.\.16"):
+        list(batches([np.zeros((2, 20), np.int64)], [spec], profile=profile))
+    # The batch dim is not limited: calibration runs the float model.
+    assert _rows(batches([np.zeros((40, 8), np.int64)], [spec], profile=profile)) == [40]
+
+
+def test_missing_files_and_unsupported_sources(tmp_path):
+    with pytest.raises(CalibrationError, match="no such file"):
+        list(batches(tmp_path / "nope.npz", [X]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CalibrationError, match=r"holds no \.npy or \.npz"):
+        list(batches(tmp_path / "empty", [X]))
+    with pytest.raises(CalibrationError, match="not supported"):
+        list(batches(42, [X]))
+
+
+def test_empty_dataset_is_an_error(tiny_cnn_path):
+    with pytest.raises(CalibrationError, match="calibration data is empty"):
+        ek.calibrate(tiny_cnn_path, np.zeros((0, 3, 8, 8), np.float32))
+    with pytest.raises(CalibrationError, match="calibration data is empty"):
+        ek.calibrate(tiny_cnn_path, iter([]))
+
+
+def test_wrong_data_reaches_the_user_through_calibrate(tiny_cnn_path):
+    with pytest.raises(CalibrationError, match="dtype float64"):
+        ek.calibrate(tiny_cnn_path, np.zeros((4, 3, 8, 8)))
+
+
+def test_holdout_takes_every_tenth_sample_whatever_the_batching():
+    data = np.arange(45, dtype=np.float32)[:, None]
+    for size in (1, 7, 45):
+        held = Holdout(every=10, cap=100)
+        kept = np.concatenate(
+            [
+                f["x"]
+                for f in held.split(batches(data, [TensorSpec("x", "float32", ("b", 1))], size))
+            ]
+        )
+        taken = np.concatenate([f["x"] for f in held.held])
+        assert taken.ravel().tolist() == [9, 19, 29, 39]
+        assert len(kept) == 41 and held.count == 4
+
+
+def test_data_hash_depends_on_the_data(tiny_cnn_path, calib_x):
+    a = ek.calibrate(tiny_cnn_path, calib_x, method="minmax")
+    b = ek.calibrate(tiny_cnn_path, calib_x[:32], method="minmax")
+    c = ek.calibrate(tiny_cnn_path, list(np.split(calib_x, 4)), method="minmax")
+    assert a.data_sha256 != b.data_sha256
+    assert a.samples == 64 and b.samples == 32
+    assert a["x"].amax == c["x"].amax and a["logits"].max == pytest.approx(c["logits"].max)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The one script to run on a GPU machine: the tests that need TensorRT, CUDA and ONNX Runtime's
+# CUDA/TensorRT providers (tests/gpu and the tensorrt cases of the conformance suite).
+# Installs nothing and needs no network: it runs what this machine has, says what is missing,
+# prints a summary and stops after at most ~8 minutes. Usage: tests/gpu/run.sh [pytest args]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+echo "== GPUs"
+nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv 2>&1 \
+  || echo "nvidia-smi not available"
+echo "== packages"
+"$PY" - <<'PYEOF'
+import importlib, platform
+print(f"{'python':12} {platform.python_version()}")
+for name in ("enginekit", "tensorrt", "polygraphy", "onnxruntime", "onnx", "torch", "cupy", "pytest"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name:12} {getattr(module, '__version__', '?')}")
+    except Exception as exc:  # report and go on: the tests skip with reasons
+        print(f"{name:12} MISSING ({type(exc).__name__}: {exc})")
+try:
+    import onnxruntime
+    print(f"{'ort EPs':12} {onnxruntime.get_available_providers()}")
+except Exception:
+    pass
+try:
+    import enginekit as ek
+    for a in ek.available_backends():
+        state = f"{a.version} on {', '.join(a.devices)}" if a.available else f"unavailable: {a.reason}"
+        print(f"{'backend':12} {a.name}: {state}")
+except Exception as exc:
+    print(f"enginekit does not import: {exc}")
+PYEOF
+if ! "$PY" -c "import pytest" 2>/dev/null; then
+  echo "pytest is not installed here; nothing to run"; exit 2
+fi
+echo "== tests"
+start=$(date +%s)
+timeout --signal=INT 470 "$PY" -m pytest tests/gpu tests/conformance -k "gpu or tensorrt" \
+  -q -rs -p no:cacheprovider --durations=10 "$@"
+rc=$?
+echo "== done in $(( $(date +%s) - start )) s, pytest exit code $rc (124/130: stopped at the time limit)"
+exit $rc

@@ -1,0 +1,145 @@
+"""--backend auto: the faster of two verified candidates wins, a candidate that fails
+verification never does, failures are recorded, and the manifest says why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from compare_helpers import changed_weight, padded, run_cli, stdout_json, tiny_mlp
+
+import enginekit as ek
+from enginekit.choose import default_candidates
+
+SHAPES = {"x": [(1, 16), (8, 16), (16, 16)]}
+SHAPES_TEXT = "x:1x16,8x16,16x16"
+QUICK = {"bench_duration": 0.15, "bench_rounds": 3}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("choose")
+    mlp = tiny_mlp(d / "mlp.onnx")
+    return {
+        "mlp": mlp,
+        "padded": padded(mlp, d / "padded.onnx"),  # same outputs, ~100x the work
+        "broken": changed_weight(mlp, d / "broken.onnx"),
+        "dir": d,
+    }
+
+
+def test_auto_picks_the_faster_of_two_verified_candidates(models, tmp_path):
+    slow = ek.Candidate("onnxruntime", model=models["padded"], label="padded")
+    fast = ek.Candidate("onnxruntime", label="plain")
+    out = tmp_path / "best.ekit"
+    engine = ek.build(
+        models["mlp"], backend="auto", shapes=SHAPES, output=out, candidates=[slow, fast], **QUICK
+    )
+    auto = engine.manifest["auto"]
+    engine.close()
+    assert auto["winner"] == "plain"
+    assert auto["objective"] == "latency" and auto["batch"] == 8  # the opt shape
+    assert [c["status"] for c in auto["candidates"]] == ["passed", "passed"]
+    p50 = {c["label"]: c["bench"]["latency_ms"]["p50"] for c in auto["candidates"]}
+    assert p50["padded"] > p50["plain"]
+    assert "plain has the lowest p50 latency at batch 8" in auto["reason"]
+    reloaded = ek.load(out)  # the written artifact is whole, loads and records it all
+    assert reloaded.manifest["auto"]["winner"] == "plain"
+    assert reloaded.manifest["bench"]["results"][0]["batch"] == 8
+    assert reloaded.manifest["verify"]["passed"]
+    reloaded.close()
+
+
+def test_auto_never_picks_a_candidate_that_fails_verification(models):
+    slow = ek.Candidate("onnxruntime", model=models["padded"], label="padded")
+    wrong = ek.Candidate("onnxruntime", model=models["broken"], label="broken")
+    engine = ek.build(
+        models["mlp"], backend="auto", shapes=SHAPES, candidates=[wrong, slow], **QUICK
+    )
+    auto = engine.manifest["auto"]
+    assert auto["winner"] == "padded"
+    broken = auto["candidates"][0]
+    assert broken["status"] == "failed verification"
+    assert broken["verify"]["passed"] is False and "output 'output'" in broken["error"]
+    assert "bench" not in broken  # never benched, never ranked
+    assert "the only candidate" in auto["reason"]
+    x = {"x": __import__("numpy").ones((2, 16), "float32")}
+    assert engine.infer(x)["output"].shape == (2, 10)  # the winner works without an output path
+    engine.close()
+
+
+def test_throughput_objective_benches_at_the_largest_batch(models):
+    engine = ek.build(
+        models["mlp"], backend="auto", shapes=SHAPES, objective="throughput",
+        candidates=[("onnxruntime", {}), ("onnxruntime", {"optimization_level": "basic"})],
+        **QUICK,
+    )  # fmt: skip
+    auto = engine.manifest["auto"]
+    engine.close()
+    assert auto["batch"] == 16 and auto["metric"] == "throughput (samples/s)"
+    assert "highest throughput at batch 16" in auto["reason"]
+
+
+def test_failed_builds_and_unavailable_candidates_are_recorded_not_fatal(models):
+    engine = ek.build(
+        models["mlp"], backend="auto", shapes=SHAPES,
+        candidates=[("onnxruntime", {"optimization_level": "fastest"}), "no-such-backend",
+                    ek.Candidate("onnxruntime", precision="int8"), "onnxruntime"],
+        **QUICK,
+    )  # fmt: skip
+    records = engine.manifest["auto"]["candidates"]
+    engine.close()
+    assert [r["status"] for r in records] == ["build error", "skipped", "build error", "passed"]
+    assert "optimization_level 'fastest'" in records[0]["error"]
+    assert "no backend named" in records[1]["error"]
+    assert "int8' needs calibration" in records[2]["error"]  # offered, but auto has no table
+
+
+def test_no_passing_candidate_is_a_verification_error_with_every_result(models):
+    wrong = ek.Candidate("onnxruntime", model=models["broken"], label="broken")
+    with pytest.raises(ek.VerificationError, match="broken: failed verification") as info:
+        ek.build(models["mlp"], backend="auto", shapes=SHAPES, candidates=[wrong], **QUICK)
+    assert info.value.report["auto"]["candidates"][0]["label"] == "broken"
+    with pytest.raises(ek.BuildError, match="no candidate could be built"):
+        ek.build(models["mlp"], backend="auto", shapes=SHAPES, candidates=["no-such-backend"])
+
+
+def test_bad_auto_requests_are_usage_errors(models):
+    with pytest.raises(ek.UsageError, match="objective"):
+        ek.build(models["mlp"], backend="auto", shapes=SHAPES, objective="fastest")
+    with pytest.raises(ek.UsageError, match="verifies every candidate"):
+        ek.build(models["mlp"], backend="auto", shapes=SHAPES, verify=False)
+
+
+def test_default_candidates_cover_every_backend_and_precision_with_known_options():
+    found = default_candidates(["fp32", "int8"], {"intra_op_threads": 1, "nonsense": 2})
+    names = ek.available_backends()
+    assert len(found) == 2 * len(names)
+    ort = [(c, dropped) for c, dropped in found if c.backend == "onnxruntime"]
+    assert [c.precision for c, _ in ort] == ["fp32", "int8"]
+    assert ort[0][0].options == {"intra_op_threads": 1} and ort[0][1] == ["nonsense"]
+
+
+def test_cli_build_auto_with_candidates_and_exit_codes(models, tmp_path):
+    out = tmp_path / "best.ekit"
+    proc = run_cli(
+        "build", models["mlp"], "--backend", "auto", "--shapes", SHAPES_TEXT, "-o", out,
+        "--candidate", "onnxruntime", "optimization_level=disable", "intra_op_threads=1",
+        "--candidate", "onnxruntime", f"model={models['padded']}", "label=padded",
+        "--precisions", "fp32", "--bench-duration", "0.15", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    manifest = stdout_json(proc)
+    labels = [c["label"] for c in manifest["auto"]["candidates"]]
+    assert labels == ["onnxruntime[optimization_level=disable, intra_op_threads=1]", "padded"]
+    assert manifest["auto"]["winner"] == labels[0]
+    assert json.loads(json.dumps(manifest["auto"]))  # JSON-safe
+
+    failed = run_cli(
+        "build", models["mlp"], "--backend", "auto", "--shapes", SHAPES_TEXT, "-o", out,
+        "--candidate", "onnxruntime", f"model={models['broken']}", "--bench-duration", "0.1",
+    )  # fmt: skip
+    assert failed.returncode == 3 and "failed verification" in failed.stderr
+
+    misuse = run_cli("build", models["mlp"], "--objective", "latency", "-o", out)
+    assert misuse.returncode == 2 and "only apply with --backend auto" in misuse.stderr
