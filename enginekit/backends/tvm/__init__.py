@@ -196,6 +196,8 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         mod = frontend.import_onnx(model)
     with step(f"optimizing the Relax program ({layout}, constant folding, fusion)"):
         graph, fused = lower.optimize(mod, target, layout)
+    # Before scheduling, which rewrites the kernels in place (blocks split into init/update).
+    kernels = lower.kernel_summary(fused)
     with step(f"compiling {DYNAMIC} for {target.kind.name} (dynamic batch)"):
         _, scheduled = _compile(fused, target, opts, None, workdir / DYNAMIC)
     compile_s = time.perf_counter() - start
@@ -207,7 +209,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         files += [m["file"] for m in modules]
         modules.insert(0, {"file": DYNAMIC, "shapes": None})
     summary = lower.graph_summary(graph)
-    kernels = [k | {"scheduled": k["name"] in scheduled} for k in lower.kernel_summary(fused)]
+    kernels = [k | {"scheduled": k["name"] in scheduled} for k in kernels]
     (workdir / KERNELS).write_text(
         json.dumps({"graph": summary, "kernels": kernels}, indent=1), encoding="utf-8"
     )
