@@ -21,8 +21,14 @@ from enginekit.artifact import FORMAT_VERSION, Artifact, open_artifact, write_ar
 from enginekit.calibration import plan
 from enginekit.calibration.accuracy import Gates
 from enginekit.config import BuildConfig, Precision, ShapeProfile, ShapesArg, normalize_shapes
-from enginekit.engine import Engine
-from enginekit.errors import ArtifactError, BackendUnavailable, BuildError, VerificationError
+from enginekit.engine import Engine, TensorSpec
+from enginekit.errors import (
+    ArtifactError,
+    BackendUnavailable,
+    BuildError,
+    EnginekitError,
+    VerificationError,
+)
 from enginekit.model import Model, ModelSource, load_model
 from enginekit.passes import PassRecord, count_nodes, prepare
 from enginekit.progress import step
@@ -248,6 +254,9 @@ def build(
             workdir, {**manifest, "payload": {n: _entry(workdir / n) for n in result.files}}
         )
         _stage_layout(workdir, result.files)
+        cross = result.metadata.get("cross_compiled")
+        if cross:  # code for another host: write it, but neither load nor verify it here
+            return _unloaded(manifest, workdir, result.files, output, str(cross))
         engine = be.load(staged, config.device)
         if config.verify and config.precision == Precision.INT8:
             report = plan.verify(engine, model, config, quantized, quant)
@@ -282,6 +291,37 @@ def build(
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
+
+
+class _CrossCompiled(Engine):
+    """The engine of a cross-compiled build: it describes the artifact but cannot run here."""
+
+    def _run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        raise EnginekitError(
+            f"this engine was cross-compiled ({self.manifest['backend']['metadata']['cross_compiled']}); "
+            "copy its artifact to a host of its target and enginekit.load it there"
+        )
+
+
+def _unloaded(
+    manifest: dict[str, Any], workdir: Path, files: tuple[str, ...], output: Any, why: str
+) -> Engine:
+    if output is None:
+        raise BuildError(
+            f"the build targets another host ({why}) and cannot run here: pass output= to "
+            "write the artifact"
+        )
+    log.warning("cross-compiled build (%s): written without loading or verifying it", why)
+    with step(f"writing {output}"):
+        written = write_artifact(output, manifest, workdir / "payload", files)
+    shutil.rmtree(workdir, ignore_errors=True)
+    spec = open_artifact(written).manifest
+    return _CrossCompiled(
+        [TensorSpec.from_json(s) for s in spec["inputs"]],
+        [TensorSpec.from_json(s) for s in spec["outputs"]],
+        BuildConfig.from_json(spec["config"]).profiles,
+        spec,
+    )
 
 
 def _toolchain() -> dict[str, str]:

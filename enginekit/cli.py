@@ -79,6 +79,7 @@ def _add_build(sub: Any) -> None:
     _add_pass_flags(p)
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     _add_tensorrt_flags(p)
+    _add_tvm_flags(p)
     from enginekit.cli_bench import add_auto_flags
 
     add_auto_flags(p)
@@ -104,6 +105,35 @@ def backend_flag_options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in flags.items() if v is not None}
 
 
+def _add_tvm_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tvm backend (shorthands for -O options)")
+    g.add_argument("--layout", choices=["NHWC", "NCHW"], help="conv layout (default NHWC on CPU)")
+    g.add_argument("--target", help="TVM target: JSON dict, 'llvm' (portable) or 'cuda'")
+    g.add_argument("--tune-trials", type=int, help="MetaSchedule trials per tuned batch size")
+    g.add_argument(
+        "--tune-batch", type=int, action="append", help="batch size to tune (repeatable)"
+    )
+    g.add_argument("--tuning-db", help="tuning database directory to keep and reuse")
+
+
+def _tvm_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The --layout/--target/--tune-*/--tuning-db flags as backend options."""
+    out: dict[str, Any] = {}
+    if args.layout:
+        out["layout"] = args.layout
+    if args.target:
+        out["target"] = _parse_option(f"target={args.target}")[1]
+    if args.tune_trials is not None:
+        out["tune"] = {"trials": args.tune_trials} | (
+            {"batch_sizes": args.tune_batch} if args.tune_batch else {}
+        )
+    elif args.tune_batch:
+        raise UsageError("--tune-batch needs --tune-trials N")
+    if args.tuning_db:
+        out["tuning_db"] = args.tuning_db
+    return out
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     import enginekit as ek
     from enginekit.cli_bench import auto_requested, cmd_build_auto
@@ -116,6 +146,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         raise UsageError("build needs a model and -o OUTPUT (or -c enginekit.toml)")
     options = dict(_parse_option(o) for o in args.option)
     options.update(backend_flag_options(args))
+    options.update(_tvm_options(args))
     shapes = [s for group in args.shapes for s in group]
     if auto_requested(args) and (args.no_simplify or args.outputs):
         raise UsageError("--no-simplify and --outputs apply to one backend; name it, not auto")

@@ -34,6 +34,7 @@ _BUILTIN: dict[str, str] = {
     "onnxruntime": "enginekit.backends.onnxruntime",
     "tensorrt": "enginekit.backends.tensorrt",
     "xla": "enginekit.backends.xla",
+    "tvm": "enginekit.backends.tvm",
 }
 
 

@@ -1,0 +1,387 @@
+"""TVM backend: the ONNX model imported into Relax, laid out NHWC, fused, scheduled and
+compiled to a shared library; optionally MetaSchedule-tuned for the batch sizes users name.
+
+Payload: ``model.so`` (symbolic batch: one module for every shape in the profiles),
+``model-b<N>.so`` (a tuned static module per tuned batch size) and ``kernels.json`` (what the
+program became, for ``enginekit inspect``). Libraries are loaded only from bytes whose SHA-256
+matched the manifest. See docs/backends/tvm.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from enginekit import target as host
+from enginekit.backends import Availability, BuildResult
+from enginekit.config import Precision
+from enginekit.errors import ArtifactError, BackendUnavailable, BuildError, VerificationError
+from enginekit.progress import step
+
+if TYPE_CHECKING:
+    from enginekit.artifact import Artifact
+    from enginekit.config import BuildConfig
+    from enginekit.engine import Engine
+    from enginekit.model import Model
+
+log = logging.getLogger(__name__)
+
+NAME = "tvm"
+DYNAMIC = "model.so"
+PRECISIONS = ("fp32",)
+KERNELS = "kernels.json"
+
+OPTIONS = {
+    "layout": "NHWC (default on CPU: conv2d and its neighbours in NHWC activations / HWIO "
+    "weights, transposes only at the model's edges) or NCHW (the model's own layout)",
+    "target": "TVM target: default this host (LLVM with its CPU detected, or CUDA on a cuda "
+    "device); a dict in TVM's JSON form such as {'kind': 'llvm', 'mcpu': 'skylake-avx512'} "
+    "to cross-compile; 'llvm' for generic, portable CPU code; 'cuda' or {'kind': 'cuda', "
+    "'arch': 'sm_90'}",
+    "tune": "MetaSchedule tuning: {'trials': N, 'batch_sizes': [1, 8]} gives each listed batch "
+    "size a static module tuned with N trials (needs the tvm-tune extra); default: no tuning",
+    "tuning_db": "directory of the tuning database to keep and reuse across builds (default: "
+    "a temporary one, discarded)",
+    "schedule": "schedules of untuned kernels: 'enginekit' (default: parallel, vectorized, "
+    "register-tiled CPU schedules), 'dlight' (TVM's DLight CPU rules only) or 'none' (TVM's "
+    "naive loops; for comparison)",
+}
+
+
+def _tvm() -> Any:
+    try:
+        import tvm
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"apache-tvm is not importable ({exc}); pip install 'enginekit[tvm]'"
+        ) from None
+    return tvm
+
+
+def available() -> Availability:
+    """TVM's version and devices: cpu when LLVM codegen is built in, cuda when a GPU is seen."""
+    try:
+        tvm = _tvm()
+    except BackendUnavailable as exc:
+        return Availability(NAME, False, reason=str(exc))
+    except Exception as exc:  # a broken native install raises OSError and friends
+        return Availability(NAME, False, reason=f"apache-tvm fails to import: {exc}")
+    devices = []
+    if tvm.runtime.enabled("llvm"):
+        devices.append("cpu")
+    try:
+        if tvm.runtime.enabled("cuda") and tvm.cuda(0).exist:
+            devices.append("cuda")
+    except Exception:  # no driver: not a CUDA host
+        pass
+    if not devices:
+        return Availability(
+            NAME, False, str(tvm.__version__), reason="this TVM build has neither LLVM nor CUDA"
+        )
+    return Availability(NAME, True, str(tvm.__version__), tuple(devices))
+
+
+def supported_ops() -> list[str]:
+    """ONNX ops the installed TVM's Relax frontend converts."""
+    _tvm()
+    from enginekit.backends.tvm.frontend import supported_ops as ops
+
+    return ops()
+
+
+# -- build -------------------------------------------------------------------------------------
+
+
+def _options(config: BuildConfig) -> dict[str, Any]:
+    from enginekit.backends.tvm import lower
+
+    opts = dict(config.options)
+    cuda = config.device.startswith("cuda")
+    layout = str(opts.get("layout") or ("NCHW" if cuda else "NHWC")).upper()
+    if layout not in lower.LAYOUTS:
+        raise BuildError(
+            f"layout {opts.get('layout')!r}: expected one of {', '.join(lower.LAYOUTS)}"
+        )
+    schedule = str(opts.get("schedule") or "enginekit")
+    if schedule not in lower.SCHEDULES:
+        raise BuildError(f"schedule {schedule!r}: expected one of {', '.join(lower.SCHEDULES)}")
+    db = opts.get("tuning_db")
+    if db is not None and not isinstance(db, (str, Path)):
+        raise BuildError(f"tuning_db {db!r}: expected a directory path")
+    return {"layout": layout, "schedule": schedule, "target": opts.get("target"), "db": db}
+
+
+def _default_batch(config: BuildConfig, model: Model) -> int:
+    for p in config.profiles:
+        for _name, prof in p.items():
+            if prof.opt:
+                return int(prof.opt[0])
+    return 1
+
+
+def _static_shapes(model: Model, config: BuildConfig, batch: int) -> dict[str, tuple[int, ...]]:
+    """Input shapes of the static module for ``batch``: the profile's opt with its batch."""
+    from enginekit.model import concrete_shapes
+
+    profile = next(
+        (p for p in config.profiles if all(p[n].min[0] <= batch <= p[n].max[0] for n in p)),
+        None,
+    )
+    if config.profiles and profile is None:
+        ranges = "; ".join(
+            f"{n}: {p[n].min[0]}..{p[n].max[0]}" for p in config.profiles for n in list(p)[:1]
+        )
+        raise BuildError(
+            f"tune batch size {batch} lies outside every profile's batch range ({ranges}); "
+            "tune sizes the engine can be called with"
+        )
+    shapes = concrete_shapes(model.inputs, profile, "opt", batch=batch)
+    batched = [s.name for s in model.inputs if s.shape and isinstance(s.shape[0], str)]
+    return {n: ((batch,) + s[1:] if n in batched else s) for n, s in shapes.items()}
+
+
+def _cross(requirements: Mapping[str, Any], device: str) -> str | None:
+    """Why the built code cannot run here (then build skips loading it), or None."""
+    if requirements["kind"] == "cuda":
+        return None if device.startswith("cuda") else "CUDA code built with device='cpu'"
+    problems = host.missing_features(requirements)
+    return "; ".join(problems) if problems else None
+
+
+def _compile(
+    mod: Any, target: Any, opts: dict[str, Any], database: Any, path: Path
+) -> tuple[list[str], set[str]]:
+    """Schedule, compile and export ``mod``; returns (tuned kernels, scheduled kernels)."""
+    from enginekit.backends.tvm import lower
+
+    scheduled, tuned = lower.apply_schedules(mod, target, opts["schedule"], database)
+    done = {k["name"] for k in lower.kernel_summary(scheduled, blocks=False) if k["scheduled"]}
+    executable = lower.compile_module(scheduled, target)
+    try:
+        executable.export_library(str(path))
+    except Exception as exc:
+        raise BuildError(
+            f"linking {path.name} for {target.kind.name} failed ({str(exc).strip().splitlines()[-1]}); "
+            "a target of another architecture needs that architecture's C compiler (set CC)"
+        ) from None
+    return tuned, done
+
+
+def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
+    """Import, lay out, fuse, schedule (and optionally tune) and compile the model."""
+    _tvm()
+    from enginekit.backends.tvm import frontend, lower, tune
+
+    if config.precision != Precision.FP32:
+        raise BuildError(
+            f"the tvm backend builds fp32 engines; got precision {config.precision.value}. "
+            "Use precision='fp32', or the onnxruntime backend for int8/fp16"
+        )
+    opts = _options(config)
+    target = lower.resolve_target(opts["target"], config.device)
+    requirements = lower.target_requirements(target)
+    if config.device.startswith("cuda") and requirements["kind"] != "cuda":
+        raise BuildError(f"device {config.device!r} needs a CUDA target, got {target.kind.name}")
+    spec = tune.parse_tune(config.options.get("tune"), _default_batch(config, model))
+    if spec is not None:
+        tune.require_tuning_deps()
+    layout = opts["layout"]
+    start = time.perf_counter()
+    with step("importing ONNX into Relax"):
+        mod = frontend.import_onnx(model)
+    with step(f"optimizing the Relax program ({layout}, constant folding, fusion)"):
+        graph, fused = lower.optimize(mod, target, layout)
+    with step(f"compiling {DYNAMIC} for {target.kind.name} (dynamic batch)"):
+        _, scheduled = _compile(fused, target, opts, None, workdir / DYNAMIC)
+    compile_s = time.perf_counter() - start
+    files = [DYNAMIC]
+    modules: list[dict[str, Any]] = [{"file": DYNAMIC, "shapes": None}]
+    tuning = None
+    if spec is not None:
+        modules, tuning = _tuned_modules(model, config, opts, target, spec, workdir)
+        files += [m["file"] for m in modules]
+        modules.insert(0, {"file": DYNAMIC, "shapes": None})
+    summary = lower.graph_summary(graph)
+    kernels = [k | {"scheduled": k["name"] in scheduled} for k in lower.kernel_summary(fused)]
+    (workdir / KERNELS).write_text(
+        json.dumps({"graph": summary, "kernels": kernels}, indent=1), encoding="utf-8"
+    )
+    files.append(KERNELS)
+    cross = _cross(requirements, config.device)
+    metadata = {
+        "layout": layout,
+        "target": lower.describe_target(target),
+        "schedule": opts["schedule"],
+        "transposes": summary["transposes"],
+        "conv_layouts": summary["conv_layouts"],
+        "kernels": len(kernels),
+        "fused_kernels": sum(1 for k in kernels if k["name"].startswith("fused_")),
+        "modules": modules,
+        "compile_s": round(compile_s, 3),
+        "tuning": tuning,
+        "cross_compiled": cross,
+    }
+    return BuildResult(files=tuple(files), metadata=metadata, target=requirements)
+
+
+def _tuned_modules(
+    model: Model,
+    config: BuildConfig,
+    opts: dict[str, Any],
+    target: Any,
+    spec: Any,
+    workdir: Path,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from enginekit.backends.tvm import frontend, lower, tune
+
+    if target.kind.name != "llvm":
+        raise BuildError("tuning is implemented for CPU (llvm) targets only")
+    kept = opts["db"] is not None
+    db_dir = Path(opts["db"]) if kept else Path(tempfile.mkdtemp(prefix="tvm-db-", dir=workdir))
+    if not kept:
+        log.info("tuning into a temporary database; pass tuning_db='dir/' to keep and reuse it")
+    modules: list[dict[str, Any]] = []
+    runs: dict[str, Any] = {}
+    start = time.perf_counter()
+    for batch in spec.batch_sizes:
+        shapes = _static_shapes(model, config, batch)
+        label = f"batch {batch}"
+        with step(f"tuning {label} ({spec.trials} trials)"):
+            mod = frontend.import_onnx(model, shapes)
+            _, fused = lower.optimize(mod, target, opts["layout"])
+            runs[str(batch)] = tune.tune(fused, target, spec, db_dir, label)
+        name = f"model-b{batch}.so"
+        with step(f"compiling {name} with the tuned kernels"):
+            tuned, _ = _compile(fused, target, opts, tune.open_database(db_dir), workdir / name)
+        modules.append(
+            {
+                "file": name,
+                "shapes": {k: list(v) for k, v in shapes.items()},
+                "tuned_kernels": tuned,
+            }
+        )
+    if config.verify and not _cross(lower.target_requirements(target), config.device):
+        with step("verifying the tuned modules against ONNX Runtime CPU"):
+            _verify_static(model, config, modules, workdir)
+    tuning = {
+        "trials": spec.trials,
+        "batch_sizes": list(spec.batch_sizes),
+        "database": str(db_dir) if kept else None,
+        "seconds": round(time.perf_counter() - start, 2),
+        "trials_run": sum(r["trials_run"] for r in runs.values()),
+        "runs": runs,
+    }
+    return modules, tuning
+
+
+def _verify_static(
+    model: Model, config: BuildConfig, modules: list[dict[str, Any]], workdir: Path
+) -> None:
+    """Tuned modules answer the batches verify_engine does not reach: check each here."""
+    import tvm
+    from tvm import relax
+
+    from enginekit.model import random_feeds, reference_session
+    from enginekit.verify import compare_outputs
+
+    session = reference_session(model)
+    names = [o.name for o in model.outputs]
+    atol, rtol = config.tolerance
+    for i, entry in enumerate(modules):
+        shapes = {k: tuple(v) for k, v in entry["shapes"].items()}
+        feeds = random_feeds(model.inputs, shapes, seed=config.seed + 100 + i)
+        ref = dict(zip(names, session.run(names, feeds)))
+        vm = relax.VirtualMachine(tvm.runtime.load_module(str(workdir / entry["file"])), tvm.cpu())
+        out = vm["main"](*[tvm.runtime.tensor(feeds[s.name]) for s in model.inputs])
+        values = [out] if hasattr(out, "numpy") else list(out)
+        got = {n: v.numpy() for n, v in zip(names, values)}
+        report = compare_outputs(got, ref, atol, rtol)
+        entry["verify_max_abs"] = max((r.get("max_abs", 0.0) for r in report.values()), default=0)
+        if not all(r["passed"] for r in report.values()):
+            raise VerificationError(
+                f"the tuned module {entry['file']} disagrees with ONNX Runtime past atol={atol}, "
+                f"rtol={rtol}: {report}",
+                {"passed": False, "cases": [{"shapes": entry["shapes"], "outputs": report}]},
+            )
+
+
+# -- load --------------------------------------------------------------------------------------
+
+
+def load(artifact: Artifact, device: str) -> Engine:
+    """Relax VMs over the artifact's libraries, each loaded only after its checksum matched.
+
+    Raises:
+        ArtifactError: the host lacks the target's CPU features or GPU, or a library is
+            tampered with or does not load.
+    """
+    _tvm()
+    from enginekit.backends.tvm.runtime import TvmEngine, load_library
+
+    manifest = artifact.manifest
+    target = manifest.get("target", {})
+    meta = manifest.get("backend", {}).get("metadata", {})
+    if target.get("kind") == "cuda" and not device.startswith("cuda"):
+        raise ArtifactError(
+            f"{artifact.path}: built for CUDA ({target.get('arch', '?')}); load it with "
+            "device='cuda' on a GPU host"
+        )
+    if target.get("kind", "cpu") == "cpu" and device.startswith("cuda"):
+        raise ArtifactError(f"{artifact.path}: built for CPU; load it with device='cpu'")
+    # Checked here too (enginekit.load does it as well) so that no code path executes native
+    # code built for features this CPU lacks.
+    problems = host.missing_features(target)
+    if problems:
+        raise ArtifactError(
+            f"{artifact.path}: built for a host with {'; '.join(problems)}; rebuild it here "
+            "(or build with target='llvm' for portable code)"
+        )
+    modules = meta.get("modules") or [{"file": DYNAMIC, "shapes": None}]
+    dynamic = None
+    static = []
+    for entry in modules:
+        lib = load_library(artifact, entry["file"])
+        if entry.get("shapes") is None:
+            dynamic = lib
+        else:
+            static.append(({k: tuple(v) for k, v in entry["shapes"].items()}, lib))
+    if dynamic is None:
+        raise ArtifactError(f"{artifact.path}: the manifest lists no dynamic module ({DYNAMIC})")
+    return TvmEngine(manifest, dynamic, static, device)
+
+
+# -- inspect -----------------------------------------------------------------------------------
+
+
+def inspect(artifact: Artifact, ir: bool = False) -> dict[str, Any]:
+    """What the program became: layout, transposes left, fused kernels, tuned modules.
+
+    Reads ``kernels.json`` (checksum verified); loads no native code.
+    """
+    meta = artifact.manifest.get("backend", {}).get("metadata", {})
+    details = json.loads(artifact.read(KERNELS)) if KERNELS in artifact.payload_names else {}
+    kernels = details.get("kernels", [])
+    fused = [k["name"] for k in kernels if k["name"].startswith("fused_")]
+    info: dict[str, Any] = {
+        "layout": meta.get("layout"),
+        "transposes": meta.get("transposes"),
+        "conv_layouts": meta.get("conv_layouts"),
+        "target": meta.get("target"),
+        "kernels": len(kernels),
+        "fused": fused,
+        "modules": [
+            {"file": m["file"], "shapes": m.get("shapes") or "dynamic"}
+            | ({"tuned_kernels": len(m["tuned_kernels"])} if "tuned_kernels" in m else {})
+            for m in meta.get("modules", [])
+        ],
+        "tuning": meta.get("tuning"),
+    }
+    if ir:
+        info["kernel_blocks"] = {k["name"]: k["blocks"] for k in kernels}
+        info["relax_ops"] = details.get("graph", {}).get("ops", {})
+    return info

@@ -1,0 +1,180 @@
+"""ONNX -> Relax through TVM's Relax ONNX frontend, with the op check done first so that an
+unsupported op is reported by name and node instead of deep inside the importer."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from enginekit.errors import BuildError
+
+if TYPE_CHECKING:
+    from enginekit.model import Model
+
+#: Ops the Relax ONNX importer handles outside its converter table.
+_DIRECT = frozenset({"If", "Constant"})
+
+
+def supported_ops() -> list[str]:
+    """ONNX op types (default domain) the Relax ONNX frontend of the installed TVM converts."""
+    from tvm.relax.frontend.onnx import onnx_frontend
+
+    return sorted(set(onnx_frontend._get_convert_map()) | _DIRECT)
+
+
+def check_ops(model: Model) -> None:
+    """Raise BuildError naming the first node whose op the frontend cannot convert.
+
+    Raises:
+        BuildError: op type, domain, node name and index, and what to do.
+    """
+    known = set(supported_ops())
+    missing = []
+    for index, node in enumerate(model.proto.graph.node):
+        domain = node.domain or "ai.onnx"
+        if domain not in ("ai.onnx", "") or node.op_type not in known:
+            missing.append((index, node, domain))
+    if not missing:
+        return
+    index, node, domain = missing[0]
+    others = sorted(
+        {f"{d}::{n.op_type}" for _, n, d in missing[1:]} - {f"{domain}::{node.op_type}"}
+    )
+    raise BuildError(
+        f"TVM {_version()} cannot convert op {node.op_type!r} (domain {domain}) at node "
+        f"{node.name or '<unnamed>'!r} (#{index} of the graph)"
+        + (f"; also unsupported: {', '.join(others)}" if others else "")
+        + ". Build this model with another backend (e.g. --backend onnxruntime), or rewrite the "
+        "op into supported ones before export (`enginekit backends --json` lists what each "
+        "backend converts)."
+    )
+
+
+def _constant(proto: Any, name: str) -> Any:
+    from onnx import numpy_helper
+
+    for t in proto.graph.initializer:
+        if t.name == name:
+            return numpy_helper.to_array(t)
+    for node in proto.graph.node:
+        if node.op_type == "Constant" and node.output and node.output[0] == name:
+            for attr in node.attribute:
+                if attr.name == "value":
+                    return numpy_helper.to_array(attr.t)
+    return None
+
+
+def scalar_reshapes_to_unsqueeze(proto: Any) -> Any:
+    """A copy of ``proto`` where ``Reshape(scalar, [1])`` is ``Unsqueeze(scalar, [0])``.
+
+    PyTorch's exporter builds shapes from symbolic dims that way (``4 * batch`` reshaped to
+    ``[1]``, then concatenated); TVM 0.27's importer keeps such a scalar as a symbolic
+    PrimValue, which its Reshape converter rejects but its Unsqueeze converter accepts. Both
+    ops mean the same here, so the model is rewritten before import. Returns ``proto`` itself
+    when there is nothing to rewrite.
+    """
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    reshapes = [n for n in proto.graph.node if n.op_type == "Reshape" and len(n.input) == 2]
+    if not reshapes:
+        return proto
+    inferred = onnx.shape_inference.infer_shapes(proto)
+    rank = {
+        v.name: len(v.type.tensor_type.shape.dim)
+        for v in list(inferred.graph.value_info) + list(inferred.graph.input)
+        if v.type.tensor_type.HasField("shape")
+    }
+    targets = []
+    for node in reshapes:
+        shape = _constant(proto, node.input[1])
+        if (
+            rank.get(node.input[0]) == 0
+            and shape is not None
+            and np.array_equal(np.ravel(shape), [1]) | np.array_equal(np.ravel(shape), [-1])
+        ):
+            targets.append(node.name or node.output[0])
+    if not targets:
+        return proto
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    axes = "enginekit_unsqueeze_axes_0"
+    out.graph.initializer.append(numpy_helper.from_array(np.array([0], np.int64), axes))
+    for i, node in enumerate(out.graph.node):
+        if node.op_type == "Reshape" and (node.name or node.output[0]) in targets:
+            new = helper.make_node(
+                "Unsqueeze", [node.input[0], axes], list(node.output), name=node.name
+            )
+            out.graph.node.remove(node)
+            out.graph.node.insert(i, new)
+    return out
+
+
+def clamp_gather_indices(mod: Any) -> Any:
+    """``take`` (ONNX Gather) in mode ``clip`` instead of the importer's ``fast``.
+
+    ``fast`` compiles to an unchecked load: an out-of-range token id would read outside the
+    table (TVM warns that it "segfaults when there are out-of-bounds indices"). ``clip``
+    clamps the index instead; ONNX Runtime raises on such input, which a compiled kernel
+    cannot do.
+    """
+    import tvm
+    from tvm import relax
+
+    @relax.expr_functor.mutator
+    class ClampTake(relax.PyExprMutator):
+        def visit_call_(self, call: Any) -> Any:
+            call = super().visit_call_(call)
+            op = call.op
+            if isinstance(op, tvm.ir.Op) and op.name == "relax.take" and call.attrs.mode == "fast":
+                return relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="clip")
+            return call
+
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = ClampTake().visit_expr(func)
+    return mod
+
+
+def _version() -> str:
+    import tvm
+
+    return str(tvm.__version__)
+
+
+def import_onnx(model: Model, shapes: Mapping[str, tuple[int, ...]] | None = None) -> Any:
+    """The model as a Relax IRModule; weights become constants.
+
+    Args:
+        model: the ONNX model.
+        shapes: static input shapes (for a tuned module); None keeps the model's symbolic
+            dims, so one compiled module serves every batch size.
+
+    Raises:
+        BuildError: an unsupported op, or the importer failed on the graph.
+    """
+    from tvm.relax.frontend.onnx import from_onnx
+
+    check_ops(model)
+    dtypes = {s.name: s.dtype for s in model.inputs}
+    try:
+        with warnings.catch_warnings():
+            # The frontend re-runs onnx.checker and turns its complaints into warnings.
+            warnings.simplefilter("ignore")
+            mod = from_onnx(
+                scalar_reshapes_to_unsqueeze(model.proto),
+                shape_dict={k: list(v) for k, v in shapes.items()} if shapes else None,
+                dtype_dict=dtypes,
+                keep_params_in_input=False,
+                sanitize_input_names=True,
+            )
+    except Exception as exc:
+        first = str(exc).strip().splitlines()
+        raise BuildError(
+            f"TVM's Relax ONNX frontend failed on the model: {type(exc).__name__}: "
+            f"{first[-1] if first else ''}. Try another backend, or simplify the model "
+            "(e.g. onnxslim) before building."
+        ) from None
+    return clamp_gather_indices(mod)

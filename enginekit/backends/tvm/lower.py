@@ -1,0 +1,341 @@
+"""Relax -> compiled library: target, layout, fusion, schedules, and what the program became.
+
+The pipeline (one place, so tuning extracts its tasks from exactly the kernels it compiles):
+
+1. ``DecomposeOpsForInference`` (batch norm -> scale/shift), ``CanonicalizeBindings``;
+2. ``ConvertLayout`` to NHWC activations / HWIO weights for conv2d when ``layout="NHWC"``
+   (TVM pushes the layout through elementwise ops and pooling, so transposes stay at the
+   model's edges), then ``FoldConstant`` (weight transposes and BN folding done at build time);
+3. ``LegalizeOps`` + ``AnnotateTIROpPattern`` + ``FoldConstant`` + ``FuseOps`` + ``FuseTIR``
+   (conv + bias + BN + activation, matmul + bias become one kernel);
+4. tuned schedules from a MetaSchedule database, if any, then enginekit's CPU rules
+   (:mod:`.schedule`) or DLight's GPU rules for every kernel left;
+5. ``tvm.compile`` to a Relax VM executable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from enginekit.errors import BuildError
+
+log = logging.getLogger(__name__)
+
+LAYOUTS = ("NHWC", "NCHW")
+SCHEDULES = ("enginekit", "dlight", "none")
+
+#: LLVM feature name -> /proc/cpuinfo flag (the names enginekit.target compares).
+_LLVM_TO_CPUINFO = {
+    "sse4.1": "sse4_1", "sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fma",
+    "f16c": "f16c", "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512cd": "avx512cd",
+    "avx512dq": "avx512dq", "avx512vl": "avx512vl", "avx512vnni": "avx512_vnni",
+    "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16", "avxvnni": "avx_vnni",
+    "amx-tile": "amx_tile", "amx-int8": "amx_int8", "amx-bf16": "amx_bf16", "neon": "asimd",
+    "sve": "sve", "sve2": "sve2", "i8mm": "i8mm", "bf16": "bf16",
+}  # fmt: skip
+
+
+# -- target ------------------------------------------------------------------------------------
+
+
+def host_target() -> dict[str, Any]:
+    """The LLVM target of this host: its CPU detected (``mcpu="native"`` would be generic)."""
+    from tvm.target import codegen
+
+    return {
+        "kind": "llvm",
+        "mcpu": str(codegen.llvm_get_system_cpu()),
+        "num-cores": os.cpu_count() or 1,
+    }
+
+
+def _parse_target_text(text: str) -> dict[str, Any]:
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise BuildError(f"target {text!r} is not valid JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise BuildError(f"target {text!r}: expected a JSON object")
+        return value
+    kind, *flags = text.split()
+    spec: dict[str, Any] = {"kind": kind}
+    for flag in flags:
+        key, sep, value = flag.lstrip("-").partition("=")
+        if not sep:
+            raise BuildError(f"target {text!r}: flag {flag!r} is not -key=value")
+        spec[key] = value.split(",") if key in ("mattr", "keys", "libs") else value
+    return spec
+
+
+def resolve_target(option: Any, device: str) -> Any:
+    """A ``tvm.target.Target`` from the ``target`` option, or this host's default.
+
+    Accepted: None (this host: LLVM with its CPU, or CUDA for a cuda device), a dict in TVM's
+    JSON form, a JSON string, ``"llvm"`` (generic x86-64/AArch64 code, portable), or the old
+    text form ``"llvm -mcpu=skylake-avx512"`` (TVM 0.27 rejects text; it is converted here).
+
+    Raises:
+        BuildError: an unknown kind, an mcpu LLVM does not know, or a device mismatch.
+    """
+    import tvm
+    from tvm.target import codegen
+
+    if option is None:
+        if device.startswith("cuda"):
+            index = int(device.partition(":")[2] or 0)
+            dev = tvm.cuda(index)
+            if not dev.exist:
+                raise BuildError(f"device {device!r}: no CUDA GPU visible to TVM here")
+            return tvm.target.Target.from_device(dev)
+        spec: dict[str, Any] = host_target()
+    elif isinstance(option, tvm.target.Target):
+        return option
+    elif isinstance(option, Mapping):
+        spec = dict(option)
+    elif isinstance(option, str):
+        spec = _parse_target_text(option)
+    else:
+        raise BuildError(f"target {option!r}: expected a dict, a JSON string or 'llvm'/'cuda'")
+    kind = spec.get("kind")
+    if kind not in ("llvm", "cuda"):
+        raise BuildError(
+            f"target kind {kind!r}: the tvm backend builds for 'llvm' (CPU) or 'cuda' targets"
+        )
+    if kind == "llvm" and "num-cores" not in spec and "mtriple" not in spec:
+        spec["num-cores"] = os.cpu_count() or 1  # MetaSchedule needs it; harmless otherwise
+    try:
+        target = tvm.target.Target(spec)
+    except Exception as exc:
+        raise BuildError(f"target {spec}: TVM rejects it ({str(exc).splitlines()[0]})") from None
+    mcpu = spec.get("mcpu")
+    if kind == "llvm" and mcpu:
+        known = [str(c) for c in codegen.llvm_get_cpu_archlist(target) or ()]
+        if known and mcpu not in known:
+            near = [c for c in known if c.startswith(str(mcpu)[:3])][:8]
+            raise BuildError(
+                f"target mcpu {mcpu!r} is not a CPU LLVM knows"
+                + (f" (close: {', '.join(near)})" if near else "")
+                + "; omit target to build for this host"
+            )
+    return target
+
+
+def target_requirements(target: Any) -> dict[str, Any]:
+    """What running code for ``target`` needs from a host, in enginekit.target's terms."""
+    from tvm.target import codegen
+
+    if target.kind.name == "cuda":
+        arch = str(target.attrs.get("arch", ""))
+        return {"kind": "cuda", "arch": arch, "compute_capability": _sm_to_cc(arch)}
+    try:
+        features = {str(f) for f in codegen.llvm_get_cpu_features(target)}
+    except Exception:
+        features = set()
+    requires = sorted({_LLVM_TO_CPUINFO[f] for f in features if f in _LLVM_TO_CPUINFO})
+    out: dict[str, Any] = {"kind": "cpu", "requires": requires}
+    triple = str(target.attrs.get("mtriple", "") or "")
+    if triple:
+        out["machine"] = triple.split("-")[0]
+    return out
+
+
+def _sm_to_cc(arch: str) -> str:
+    digits = re.sub(r"\D", "", arch)
+    return f"{digits[:-1]}.{digits[-1]}" if len(digits) >= 2 else ""
+
+
+def describe_target(target: Any) -> dict[str, Any]:
+    """The target as TVM's JSON dict (what the manifest records)."""
+    return {str(k): _jsonable(v) for k, v in dict(target.export()).items() if k != "host"}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "Array":
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+# -- Relax passes -------------------------------------------------------------------------------
+
+
+def _has_conv2d(mod: Any) -> bool:
+    from tvm import relax
+
+    return any(
+        getattr(call.op, "name", None) == "relax.nn.conv2d"
+        for _, func in mod.functions_items()
+        if isinstance(func, relax.Function)
+        for call in _calls(func)
+    )
+
+
+def optimize(mod: Any, target: Any, layout: str) -> tuple[Any, Any]:
+    """Steps 1-3 of the module docstring: layout, folding, legalization and fusion.
+
+    Returns:
+        (the optimized Relax graph before lowering, the fused module with TIR kernels).
+
+    Raises:
+        BuildError: TVM's layout conversion failed on this graph.
+    """
+    import tvm
+    from tvm import relax
+
+    with target:
+        mod = tvm.transform.Sequential(
+            [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings()]
+        )(mod)
+        # ConvertLayout only touches conv2d (and what it pushes the layout through); it is
+        # skipped without one, since TVM 0.27's pass dies (std::bad_alloc) on some
+        # symbolic-shape graphs such as a transformer layer exported from PyTorch.
+        if layout == "NHWC" and _has_conv2d(mod):
+            # HWIO (not OHWI) weights: the output channel is innermost, so the vectorized axis
+            # of the direct convolution reads weights contiguously (OHWI measured 2x slower).
+            try:
+                mod = relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "HWIO"]})(mod)
+            except Exception as exc:
+                raise BuildError(
+                    f"TVM's ConvertLayout to NHWC failed on this model ({type(exc).__name__}: "
+                    f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); build "
+                    "with layout='NCHW'"
+                ) from None
+        graph = tvm.transform.Sequential(
+            [relax.transform.FoldConstant(), relax.transform.CanonicalizeBindings()]
+        )(mod)
+        fused = tvm.transform.Sequential(
+            [
+                relax.transform.LegalizeOps(),
+                relax.transform.AnnotateTIROpPattern(),
+                relax.transform.FoldConstant(),
+                relax.transform.FuseOps(),
+                relax.transform.FuseTIR(),
+                relax.transform.DeadCodeElimination(),
+            ]
+        )(graph)
+    return graph, fused
+
+
+def apply_schedules(
+    mod: Any, target: Any, schedule: str, database: Any = None
+) -> tuple[Any, list[str]]:
+    """Step 4: tuned kernels from ``database``, default schedules for the rest.
+
+    Returns:
+        the scheduled module and the names of the kernels the database supplied.
+    """
+    from tvm import relax
+    from tvm.s_tir import dlight
+
+    from enginekit.backends.tvm.schedule import cpu_rules, gpu_rules
+
+    tuned: list[str] = []
+    with target:
+        if database is not None:
+            with database:
+                mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+            tuned = [k["name"] for k in kernel_summary(mod, blocks=False) if k["scheduled"]]
+        if target.kind.name == "cuda":
+            mod = dlight.ApplyDefaultSchedule(*gpu_rules())(mod)
+        elif schedule == "enginekit":
+            mod = dlight.ApplyDefaultSchedule(*cpu_rules(target))(mod)
+        elif schedule == "dlight":
+            mod = dlight.ApplyDefaultSchedule(dlight.cpu.GEMV(), dlight.cpu.Reduction())(mod)
+    return mod, tuned
+
+
+def compile_module(mod: Any, target: Any) -> Any:
+    """Step 5: a Relax VM executable (``export_library`` writes it as a shared library)."""
+    import tvm
+
+    try:
+        return tvm.compile(mod, target=target)
+    except Exception as exc:
+        raise BuildError(
+            f"TVM failed to compile the program for {target.kind.name}: "
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        ) from None
+
+
+# -- what the program became ---------------------------------------------------------------------
+
+
+def _calls(func: Any) -> list[Any]:
+    from tvm import relax
+
+    calls: list[Any] = []
+    relax.analysis.post_order_visit(
+        func.body, lambda e: calls.append(e) if isinstance(e, relax.Call) else None
+    )
+    return calls
+
+
+def graph_summary(graph: Any) -> dict[str, Any]:
+    """Layout facts of the optimized Relax graph (before lowering to kernels)."""
+    from tvm import relax
+
+    ops: Counter[str] = Counter()
+    conv_layouts: Counter[str] = Counter()
+    for _gv, func in graph.functions_items():
+        if not isinstance(func, relax.Function):
+            continue
+        for call in _calls(func):
+            name = getattr(call.op, "name", None)
+            if not isinstance(name, str):
+                continue
+            ops[name] += 1
+            if name.startswith("relax.nn.conv"):
+                conv_layouts[f"{call.attrs.data_layout}/{call.attrs.kernel_layout}"] += 1
+    return {
+        "transposes": ops["relax.permute_dims"] + ops["relax.layout_transform"],
+        "conv_layouts": dict(conv_layouts),
+        "ops": dict(ops.most_common()),
+    }
+
+
+def _block_names(func: Any) -> list[str]:
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    names: list[str] = []
+
+    def walk(block: Any) -> None:
+        for child in sch.get_child_blocks(block):
+            names.append(str(sch.get(child).name_hint))
+            walk(child)
+
+    walk(sch.get_sblock("root"))
+    return names
+
+
+def kernel_summary(mod: Any, blocks: bool = True) -> list[dict[str, Any]]:
+    """Every TIR kernel of the lowered program: its name, the compute blocks fused into it
+    (e.g. ``pad_temp, conv2d_nhwc, T_add, compute``) and whether a schedule was applied."""
+    from tvm import tirx
+
+    kernels = []
+    for gv, func in mod.functions_items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        entry: dict[str, Any] = {
+            "name": gv.name_hint,
+            "scheduled": bool(func.attrs and func.attrs.get("tirx.is_scheduled", False)),
+        }
+        if blocks:
+            try:
+                entry["blocks"] = _block_names(func)
+            except Exception:  # a kernel without a root block (hand-written TIR)
+                entry["blocks"] = []
+        kernels.append(entry)
+    return sorted(kernels, key=lambda k: k["name"])
