@@ -263,3 +263,20 @@ def test_cuda_target_cross_compiles_without_a_gpu(cnn_path, tmp_path):
     if "cuda" not in backends.availability("tvm").devices:
         with pytest.raises(ek.ArtifactError, match="device='cuda'"):
             tvm_backend.load(open_artifact(out), "cpu")
+
+
+def test_enginekit_schedule_applies_to_every_conv_and_matmul_kernel(cnn_path):
+    # Called directly: ApplyDefaultSchedule would swallow an error and fall back to naive loops.
+    from enginekit.backends.tvm import frontend, lower, schedule
+
+    target = lower.resolve_target(None, "cpu")
+    _, fused = lower.optimize(frontend.import_onnx(ek.load_model(cnn_path)), target, "NHWC")
+    lanes = schedule.vector_lanes(target)
+    names = []
+    for gv, func in fused.functions_items():
+        if "conv2d" in gv.name_hint or "matmul" in gv.name_hint:
+            sch = schedule.schedule_cpu(func, lanes)
+            assert sch is not None, gv.name_hint
+            assert "parallel" in sch.mod.script() and "vectorized" in sch.mod.script()
+            names.append(gv.name_hint)
+    assert len(names) == 3

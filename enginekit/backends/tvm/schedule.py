@@ -102,8 +102,8 @@ def _pads_inner_axis(sch: Any, block: Any) -> bool:
     stmt = sch.get(block)
     if len(stmt.reads) != 1 or len(stmt.writes) != 1:
         return True
-    read = stmt.reads[0].buffer.shape
-    write = stmt.writes[0].buffer.shape
+    read = stmt.reads[0].source.shape
+    write = stmt.writes[0].source.shape
     return len(read) != len(write) or not _same(read[-1], write[-1])
 
 
