@@ -53,14 +53,20 @@ def per_call(fn: Callable[[], object], calls: int) -> float:
 
 
 def side_by_side(
-    fns: dict[str, Callable[[], object]], rounds: int, calls: int
+    fns: dict[str, Callable[[], object]], rounds: int, calls: int, block: int = 20
 ) -> dict[str, list[float]]:
+    """Per-call ns of each function per round; functions alternate in blocks of ``block`` calls
+    so that every side sees the same machine conditions (other load, frequency changes)."""
     for fn in fns.values():  # warm up
         per_call(fn, calls // 10 + 1)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(per_call(fn, calls))
+        total = dict.fromkeys(fns, 0.0)
+        for _ in range(max(calls // block, 1)):
+            for name, fn in fns.items():
+                total[name] += per_call(fn, block) * block
+        for name in fns:
+            times[name].append(total[name] / (max(calls // block, 1) * block))
     return times
 
 

@@ -90,6 +90,7 @@ class Engine:
         self._executor_lock = threading.Lock()
         self._names = tuple(s.name for s in self.inputs)
         self._checked: dict[tuple[Any, ...], Any] = {}
+        self._single = self._names[0] if len(self._names) == 1 else None
         # Per-input check plan, computed once so that infer() does only comparisons.
         self._plan = tuple(
             (
@@ -142,9 +143,22 @@ class Engine:
         """
         if self._closed:
             raise EnginekitError("infer() on a closed engine; load it again")
-        feeds = self._feeds(batch)
         # Validation depends only on dtypes and shapes: remember the signatures that passed.
-        key = tuple([(a.dtype, a.shape) for a in feeds.values()])
+        # The common single-input calls skip building an intermediate dict and key tuple.
+        single = self._single
+        if single is not None and type(batch) is np.ndarray:
+            feeds = {single: batch}
+            key: Any = (batch.dtype, batch.shape)
+        elif single is not None and type(batch) is dict and len(batch) == 1:
+            a = batch.get(single)
+            if type(a) is np.ndarray:
+                feeds, key = batch, (a.dtype, a.shape)
+            else:
+                feeds = self._feeds(batch)
+                key = (feeds[single].dtype, feeds[single].shape)
+        else:
+            feeds = self._feeds(batch)
+            key = tuple([(a.dtype, a.shape) for a in feeds.values()])
         rows = self._checked.get(key, _UNCHECKED)
         if rows is _UNCHECKED:
             rows = self._check(feeds)

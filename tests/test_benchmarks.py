@@ -35,3 +35,12 @@ def test_backend_options_parse_per_backend(script):
         "tvm": {"trials": 64, "target": "llvm"},
         "xla": {"jit": True},
     }
+
+
+def test_no_benchmark_script_shadows_a_package_it_imports():
+    # A script runs with benchmarks/ first on sys.path: benchmarks/tvm.py once made every other
+    # script's `import tvm` load it instead of Apache TVM.
+    for script in (ROOT / "benchmarks").glob("*.py"):
+        spec = importlib.util.find_spec(script.stem)
+        # Namespace packages (tests/backends under pytest) have no origin and shadow nothing.
+        assert spec is None or spec.origin is None, f"{script.name} shadows {spec.origin}"

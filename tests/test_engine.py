@@ -106,6 +106,9 @@ def test_accepts_torch_tensors_through_dlpack(mlp):
     np.testing.assert_array_equal(
         mlp.infer(torch.from_numpy(batch))["output"], mlp.infer(batch)["output"]
     )
+    np.testing.assert_array_equal(
+        mlp.infer({"x": torch.from_numpy(batch)})["output"], mlp.infer(batch)["output"]
+    )
     with pytest.raises(ek.EngineInputError, match="float64"):
         mlp.infer(torch.zeros(3, 16, dtype=torch.float64))
 

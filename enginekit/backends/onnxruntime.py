@@ -348,6 +348,7 @@ class OrtEngine(Engine):
         self.providers = session.get_providers()
         self.io_binding = io_binding
         self._out_names = [o.name for o in self.outputs]
+        self._out_single = self._out_names[0] if len(self._out_names) == 1 else None
         # InferenceSession.run re-validates names and EP fallback in Python on every call
         # (~4 µs, half of a tiny model's run); Engine has validated already, so call the C++
         # session directly when this ORT build exposes it.
@@ -358,7 +359,10 @@ class OrtEngine(Engine):
             self._run = self._run_bound  # type: ignore[method-assign]
 
     def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return dict(zip(self._out_names, self._session_run(self._out_names, feeds, None)))
+        results = self._session_run(self._out_names, feeds, None)
+        if self._out_single is not None:
+            return {self._out_single: results[0]}
+        return dict(zip(self._out_names, results))
 
     def _run_bound(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         # One IOBinding per thread: bindings are mutable, the session is shared.

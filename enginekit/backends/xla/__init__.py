@@ -294,6 +294,10 @@ def _padding_safe(
 
     if not _batched(model):
         return True
+    if config.profiles and all(
+        p[n].min[0] == p[n].max[0] for p in config.profiles for n in p
+    ):  # the profiles pin the batch: the program has a fixed batch and nothing is padded
+        return True
     profile = config.profiles[0] if config.profiles else None
     shapes = concrete_shapes(model.inputs, profile, "opt")
     shapes = {n: (4, *s[1:]) for n, s in shapes.items()}

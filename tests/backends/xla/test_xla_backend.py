@@ -215,3 +215,13 @@ def test_cli_backends_ops_lists_the_xla_op_table():
     section = done.stdout.split("\nxla ", 1)[1]
     assert f"{len(xla.supported_ops())} ONNX ops" in section
     assert "ConvTranspose" in section and "LayerNormalization" in section
+
+
+def test_fixed_batch_profile_builds_and_splits_larger_batches(onnx_model):
+    path = onnx_model("cnn")
+    engine = ek.build(path, backend="xla", shapes={"x": (4, 3, 16, 16)})
+    for batch in (4, 9):  # 9 = 4 + 4 + 1 padded to the fixed batch
+        feeds = CASES["cnn"].feeds(batch, seed=batch)
+        np.testing.assert_allclose(
+            engine.infer(feeds)["output"], reference(path, feeds)["output"], atol=1e-4, rtol=1e-3
+        )

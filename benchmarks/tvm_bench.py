@@ -5,23 +5,19 @@ TVM NHWC tuned with a small MetaSchedule budget, TVM NCHW (untuned), and TVM's s
 schedules (``schedule="none"``, batch 1 only: it is tens of times slower). Columns: build
 (compile) and tuning seconds, median latency per batch size, and the ratio to ONNX Runtime.
 
-    python benchmarks/tvm.py                       # 64x64 inputs, batches 1 and 32, 32 trials
-    python benchmarks/tvm.py --size 112 --trials 64 --batches 1,8,32
+    python benchmarks/tvm_bench.py                       # 64x64 inputs, batches 1 and 32, 32 trials
+    python benchmarks/tvm_bench.py --size 112 --trials 64 --batches 1,8,32
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-# This file is named tvm.py: keep `import tvm` from finding it instead of Apache TVM.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
 
 
 def resnet(channels: tuple[int, ...] = (32, 64, 128, 256)) -> object:
