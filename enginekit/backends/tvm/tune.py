@@ -87,13 +87,13 @@ def parse_tune(value: Any, default_batch: int) -> TuneSpec | None:
 
 
 def require_tuning_deps() -> None:
-    """MetaSchedule needs xgboost (cost model), psutil and cloudpickle (its worker pools).
+    """MetaSchedule needs xgboost (its cost model) and psutil.
 
     Raises:
         BuildError: naming what is missing and the extra that installs it.
     """
     missing = []
-    for name in ("xgboost", "psutil", "cloudpickle"):
+    for name in ("xgboost", "psutil"):
         try:
             __import__(name)
         except ImportError:
