@@ -123,6 +123,12 @@ class Engine:
             and all(n in p for p in self.profiles for n in self._names)
             else None
         )
+        # The smallest batch any profile accepts: smaller chunks are padded up to it.
+        self._min_batch = (
+            min(min(p[n].min[0] for n in self._names if n in p) for p in self.profiles)
+            if self._batched and self.profiles
+            else 0
+        )
 
     # -- public API --------------------------------------------------------------------------
 
@@ -348,21 +354,11 @@ class Engine:
 
     def _run_chunk(self, feeds: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
         """Run ``rows`` rows, padding up to the smallest batch a profile accepts."""
-        if self.profiles:
-            low = min(min(p[n].min[0] for n in self._names if n in p) for p in self.profiles)
-            if rows < low:
-                feeds = {
-                    n: np.concatenate(
-                        [
-                            a,
-                            np.repeat(
-                                a[-1:] if len(a) else np.zeros((1,) + a.shape[1:], a.dtype),
-                                low - rows,
-                                axis=0,
-                            ),
-                        ]
-                    )
-                    for n, a in feeds.items()
-                }
-                return {k: v[:rows] for k, v in self._run(feeds).items()}
-        return self._run(feeds)
+        missing = self._min_batch - rows
+        if missing <= 0:
+            return self._run(feeds)
+        padded = {}
+        for n, a in feeds.items():
+            filler = a[-1:] if len(a) else np.zeros((1, *a.shape[1:]), a.dtype)
+            padded[n] = np.concatenate([a, np.repeat(filler, missing, axis=0)])
+        return {k: v[:rows] for k, v in self._run(padded).items()}
