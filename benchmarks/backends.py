@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import enginekit as ek
 from enginekit import backends as registry
-from enginekit.bench import UNSTABLE_SPREAD, spread, time_calls
-from enginekit.machine import host_info
+from enginekit.evaluate.bench import UNSTABLE_SPREAD, spread, time_calls
+from enginekit.evaluate.machine import host_info
 
 # -- the model ----------------------------------------------------------------------------------
 

@@ -13,14 +13,9 @@ result = ek.bench(engine, batch_sizes=[1, 8, 32], duration=5.0)
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from enginekit.backends import Availability
-from enginekit.bench import BenchResult, bench
-from enginekit.build import build, load
+from enginekit.backends import Availability, load
+from enginekit.build import STRATEGIES, build
 from enginekit.calibration import CalibrationTable, calibrate
-from enginekit.candidates import Candidate
-from enginekit.compare import CompareReport, compare
 from enginekit.config import BuildConfig, Precision, ShapeProfile, parse_shapes
 from enginekit.engine import Engine, TensorSpec
 from enginekit.errors import (
@@ -35,9 +30,17 @@ from enginekit.errors import (
     UsageError,
     VerificationError,
 )
+from enginekit.evaluate.bench import BenchResult, bench
+from enginekit.evaluate.candidates import Candidate
+from enginekit.evaluate.choose import build_auto
+from enginekit.evaluate.compare import CompareReport, compare
 from enginekit.export import export
 from enginekit.model import Model, load_model
 from enginekit.passes import lint_batch, make_batch_dynamic
+from enginekit.version import __version__
+
+# build() knows no strategy itself: the layers above it plug theirs in here.
+STRATEGIES["auto"] = build_auto
 
 
 def available_backends() -> list[Availability]:

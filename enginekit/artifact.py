@@ -11,11 +11,17 @@ import shutil
 import tempfile
 import weakref
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from enginekit import target
 from enginekit.errors import ArtifactError
+from enginekit.version import __version__
+
+if TYPE_CHECKING:
+    from enginekit.config import BuildConfig
+    from enginekit.model import Model
 
 #: Version of the artifact layout and manifest schema; bump on incompatible change.
 FORMAT_VERSION = 1
@@ -29,6 +35,14 @@ def _sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def payload_entries(workdir: Path, files: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``manifest["payload"]``: SHA-256 and size of each payload file (relative to workdir)."""
+    return {
+        name: {"sha256": _sha256_file(workdir / name), "size": (workdir / name).stat().st_size}
+        for name in files
+    }
 
 
 class Artifact:
@@ -180,10 +194,7 @@ def write_artifact(
     target = Path(path)
     as_dir = str(path).endswith(("/", os.sep)) or target.is_dir()
     manifest = dict(manifest)
-    manifest["payload"] = {
-        name: {"sha256": _sha256_file(workdir / name), "size": (workdir / name).stat().st_size}
-        for name in files
-    }
+    manifest["payload"] = payload_entries(workdir, files)
     text = json.dumps(manifest, indent=2, sort_keys=False)
     target.parent.mkdir(parents=True, exist_ok=True)
     if as_dir:
@@ -219,3 +230,21 @@ def write_artifact(
             os.unlink(tmpname)
         raise
     return target
+
+
+def build_key(
+    model: Model, config: BuildConfig, backend_version: str | None, calibration: str | None = None
+) -> str:
+    """SHA-256 of everything that decides the build's output: same key, same engine."""
+    blob = json.dumps(
+        {
+            "model": model.sha256,
+            "config": config.to_json(),
+            "backend_version": backend_version,
+            "calibration": calibration,
+            "enginekit": __version__,
+            "host": {"machine": target.host()["machine"], "isa": target.host()["isa"]},
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()

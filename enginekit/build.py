@@ -1,94 +1,117 @@
-"""``build`` and ``load``: model + BuildConfig -> verified artifact -> Engine."""
+"""``build``: model + BuildConfig -> verified artifact -> Engine, as a chain of named stages.
+
+:func:`build` reads as its stages, each a small function taking and returning frozen
+dataclasses::
+
+    _request -> _load_and_check -> _quantize -> _prepare_graph -> _compile -> _manifest
+             -> _stage -> _verify -> _write
+
+A new stage (a cache lookup, profiling) goes between two of them and adds its own dataclass.
+A name in :data:`STRATEGIES` stands for a backend name and takes over the whole build
+(``backend="auto"``). ``enginekit.load`` lives with the backend registry
+(:func:`enginekit.backends.load`): loading needs no build machinery.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
-import json
 import logging
 import os
 import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from enginekit import __version__, backends, target
-from enginekit.artifact import FORMAT_VERSION, Artifact, open_artifact, write_artifact
+from enginekit import backends, target
+from enginekit.artifact import (
+    FORMAT_VERSION,
+    Artifact,
+    build_key,
+    open_artifact,
+    payload_entries,
+    write_artifact,
+)
+from enginekit.backends import Backend, BuildResult
 from enginekit.calibration import plan
 from enginekit.calibration.accuracy import Gates
-from enginekit.config import BuildConfig, Precision, ShapeProfile, ShapesArg, normalize_shapes
+from enginekit.config import BuildConfig, Precision, ShapesArg, normalize_shapes
 from enginekit.engine import Engine, TensorSpec
-from enginekit.errors import (
-    ArtifactError,
-    BackendUnavailable,
-    BuildError,
-    EnginekitError,
-    VerificationError,
-)
-from enginekit.model import Model, ModelSource, load_model
+from enginekit.errors import BuildError, EnginekitError, VerificationError
+from enginekit.model import Model, ModelSource, check_profiles, load_model
 from enginekit.passes import PassRecord, count_nodes, prepare
 from enginekit.progress import step
 from enginekit.verify import summarize, verify_engine
+from enginekit.version import __version__
 
 log = logging.getLogger(__name__)
 
 
-def check_profiles(model: Model, profiles: tuple[dict[str, ShapeProfile], ...]) -> None:
-    """Every profile names real inputs, with their rank and fixed dims, and all profiles cover
-    the same inputs.
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What :func:`build` was asked for.
 
-    Raises:
-        BuildError: naming the input and dim at fault.
+    Attributes:
+        config: the whole build configuration (backend options in ``config.options``).
+        quant: the int8 arguments: calibration table or data, verification data, gates.
+        output: where to write the artifact; None keeps it in memory only.
     """
-    specs = {s.name: s for s in model.inputs}
-    covered = None
-    for i, p in enumerate(profiles):
-        for name, prof in p.items():
-            if name not in specs:
-                raise BuildError(
-                    f"shapes name input {name!r}, which the model does not have (inputs: "
-                    f"{', '.join(specs)})"
-                )
-            spec = specs[name]
-            if len(prof.min) != len(spec.shape):
-                raise BuildError(
-                    f"shapes for {name!r} have rank {len(prof.min)}; the model's input is "
-                    f"rank {len(spec.shape)} {spec.shape}"
-                )
-            for axis, d in enumerate(spec.shape):
-                if isinstance(d, int) and not prof.min[axis] == prof.max[axis] == d:
-                    raise BuildError(
-                        f"shapes for {name!r} dim {axis}: the model fixes it to {d}, the "
-                        f"profile gives {prof.min[axis]}..{prof.max[axis]}"
-                    )
-        if covered is not None and set(p) != covered:
-            raise BuildError(
-                f"profile {i} covers inputs {sorted(p)}, profile 0 covers {sorted(covered)}; "
-                "every profile must cover the same inputs"
-            )
-        covered = set(p)
+
+    config: BuildConfig
+    quant: plan.Quantization
+    output: str | os.PathLike | None = None
 
 
-def build_key(
-    model: Model, config: BuildConfig, backend_version: str | None, calibration: str | None = None
-) -> str:
-    """SHA-256 of everything that decides the build's output: same key, same engine."""
-    blob = json.dumps(
-        {
-            "model": model.sha256,
-            "config": config.to_json(),
-            "backend_version": backend_version,
-            "calibration": calibration,
-            "enginekit": __version__,
-            "host": {"machine": target.host()["machine"], "isa": target.host()["isa"]},
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()
+#: Names that stand for a backend name and take over the whole build, called with the
+#: user's model and the :class:`Request`. ``"auto"`` (build every candidate, keep the best) is
+#: :func:`enginekit.evaluate.choose.build_auto`, registered by ``enginekit/__init__.py``.
+STRATEGIES: dict[str, Callable[[ModelSource, Request], Engine]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """The user's model, loaded, and the backend that builds it, both checked against the
+    request before any graph pass runs."""
+
+    model: Model
+    backend: Backend
+    version: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """What the backend builds, and what the engine is verified against.
+
+    Attributes:
+        model: the graph the backend builds (after int8 quantization and the graph passes).
+        reference: what verification compares with: the user's model (its selected subgraph
+            with ``outputs``), untouched by the passes; for int8, the float source model.
+        passes: every graph pass that ran, for ``manifest["passes"]``.
+        quantized: the int8 stage's result (the source model itself at other precisions).
+    """
+
+    model: Model
+    reference: Model
+    passes: tuple[PassRecord, ...]
+    quantized: plan.Quantized
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What the backend wrote into the build's workdir, and how long it took."""
+
+    workdir: Path
+    result: BuildResult
+    seconds: float
+
+    @property
+    def cross_compiled(self) -> str | None:
+        """Why the payload cannot run here (code for another host), or None."""
+        why = self.result.metadata.get("cross_compiled")
+        return str(why) if why else None
 
 
 def build(
@@ -126,7 +149,8 @@ def build(
         device: ``cpu`` or ``cuda[:N]``.
         verify: compare with ONNX Runtime CPU at build time; a mismatch raises VerificationError.
         atol, rtol: verification tolerance (default: the precision's).
-        config: a complete BuildConfig instead of the arguments above.
+        config: a complete BuildConfig instead of the arguments above (``**options`` are
+            added to its options).
         simplify: fold constants and simplify the graph first (recorded in manifest["passes"]);
             verification still compares with the model as given.
         outputs: build only the subgraph computing these tensors, for debugging a mismatch.
@@ -140,36 +164,11 @@ def build(
         allow_table_mismatch: accept a calibration table made for another model hash.
         **options: backend options (``enginekit backends --json`` lists each backend's).
             With ``backend="auto"`` also ``candidates``, ``precisions``, ``objective``,
-            ``bench_duration``: see :func:`enginekit.choose.build_auto`.
+            ``bench_duration``: see :func:`enginekit.evaluate.choose.build_auto`.
 
     Raises:
         BuildError, VerificationError, BackendUnavailable, ModelError.
     """
-    quant = plan.Quantization(
-        calibration, calib_data, calib_method, verify_data,
-        Gates(min_top1_agreement, max_abs_error), allow_table_mismatch,
-    )  # fmt: skip
-    if (config.backend if config is not None else backend) == "auto":
-        from enginekit.choose import build_auto
-
-        if quant != plan.Quantization():
-            raise BuildError(
-                "calibration, calib_data, verify_data and the accuracy gates apply to one "
-                "backend's int8 build; name the backend instead of 'auto'"
-            )
-        if (
-            outputs
-            or not simplify
-            or (config is not None and (config.outputs or not config.simplify))
-        ):
-            raise BuildError(
-                "simplify=False and outputs= apply to one backend's build; name the backend "
-                "instead of 'auto'"
-            )
-
-        return build_auto(
-            model, shapes, precision, output, device, verify, atol, rtol, config, **options
-        )
     if config is None:
         config = BuildConfig(
             backend=backend,
@@ -183,114 +182,184 @@ def build(
             simplify=simplify,
             outputs=tuple(outputs),
         )
+    elif options:
+        config = dataclasses.replace(config, options={**config.options, **options})
+    quant = plan.Quantization(
+        calibration, calib_data, calib_method, verify_data,
+        Gates(min_top1_agreement, max_abs_error), allow_table_mismatch,
+    )  # fmt: skip
+    request = Request(config, quant, output)
+    if config.backend in STRATEGIES:
+        return STRATEGIES[config.backend](model, request)
+    checked = _load_and_check(model, request)
+    graph = _prepare_graph(checked, _quantize(checked, request), config)
+    workdir = Path(tempfile.mkdtemp(prefix="enginekit-build-"))
+    try:
+        compiled = _compile(checked, graph, config, workdir)
+        manifest = _manifest(request, checked, graph, compiled)
+        if compiled.cross_compiled:  # code for another host: written, neither loaded nor verified
+            return _write_unloaded(manifest, compiled, output)
+        staged = _stage(compiled, manifest)
+        engine = checked.backend.load(staged, config.device)
+        report = _verify(engine, request, checked, graph)
+        return _write(engine, {**staged.manifest, "verify": report}, compiled, output)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
+# -- the stages --------------------------------------------------------------------------------
+
+
+def _load_and_check(source: ModelSource, request: Request) -> Checked:
+    """Load the model and the backend, and refuse what cannot build before any slow work."""
+    config = request.config
     with step("loading model"):
-        model = load_model(model)
-    be = backends.require(config.backend, config.device)
-    backends.check_options(be, config.options)
-    plan.check_precision(be, config)
+        model = load_model(source)
+    backend = backends.require(config.backend, config.device)
+    backends.check_options(backend, config.options)
+    plan.check_precision(backend, config)
     if not config.outputs:
-        check_profiles(model, config.profiles)  # fail fast, before any graph pass
+        check_profiles(model, config.profiles)
     if config.outputs and config.precision == Precision.INT8:
         raise BuildError("outputs= (subgraph builds) works at fp32/fp16/bf16, not int8")
-    # int8: the Q/DQ model (written from the table) or the model's own Q/DQ nodes.
-    quantized = plan.prepare(model, config, be, quant)
-    # Simplification could fold Q/DQ pairs into float weights: never on a quantized model.
+    return Checked(model, backend, backend.available().version)
+
+
+def _quantize(checked: Checked, request: Request) -> plan.Quantized:
+    """int8: the Q/DQ model written from the calibration table, or the model's own Q/DQ
+    nodes; at other precisions the source model unchanged."""
+    return plan.quantize(checked.model, request.config, checked.backend, request.quant)
+
+
+def _prepare_graph(checked: Checked, quantized: plan.Quantized, config: BuildConfig) -> Graph:
+    """The graph passes (subgraph, simplification, opset conversion) the backend's build needs.
+
+    The backend builds the prepared graph; the manifest's source hash stays the user's.
+    Simplification could fold Q/DQ pairs into float weights: never on a quantized model.
+    """
     keep_qdq = plan.has_qdq(quantized.model.proto)
     with step("preparing the graph"):
-        # The backend builds the prepared graph; the manifest's source hash stays the user's.
         prepared = prepare(
             quantized.model,
             simplify=config.simplify and not keep_qdq,
             outputs=config.outputs,
-            opsets=getattr(be, "OPSETS", None),
+            opsets=getattr(checked.backend, "OPSETS", None),
         )
+    passes = prepared.passes
     if keep_qdq and config.simplify:
         n = count_nodes(quantized.model.proto)
-        skipped = PassRecord("simplify", n, n, 0.0, {"skipped": "Q/DQ model"})
-        prepared = dataclasses.replace(prepared, passes=(skipped, *prepared.passes))
-    reference = model if keep_qdq else prepared.reference
+        passes = (PassRecord("simplify", n, n, 0.0, {"skipped": "Q/DQ model"}), *passes)
+    reference = checked.model if keep_qdq else prepared.reference
     check_profiles(reference, config.profiles)
-    version = be.available().version
-    workdir = Path(tempfile.mkdtemp(prefix="enginekit-build-"))
-    try:
-        start = time.perf_counter()
-        with step(f"building {config.backend} engine"):
-            result = be.build(prepared.model, config, workdir)
-        build_s = time.perf_counter() - start
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "enginekit_version": __version__,
-            "backend": {
-                "name": config.backend,
-                "version": version,
-                "metadata": dict(result.metadata),
-            },
-            "target": {**target.host(), **dict(result.target)},
-            "source": {
-                "sha256": model.sha256,
-                "path": str(model.path) if model.path else None,
-                "opset": model.opset,
-            },
-            "config": config.to_json(),
-            "inputs": [s.to_json() for s in reference.inputs],
-            "outputs": [s.to_json() for s in reference.outputs],
-            "passes": [p.to_json() for p in prepared.passes],
-            "profiles": config.to_json()["profiles"],
-            "precision": config.precision.value,
-            "calibration": quantized.entry,
-            "build_key": build_key(model, config, version, quantized.table_hash),
-            "build": {
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                    timespec="seconds"
-                ),
-                "build_s": round(build_s, 3),
-                "host": target.host(),
-                "versions": _toolchain(),
-            },
-            "verify": None,
-            "bench": None,
-        }
-        staged = Artifact(
-            workdir, {**manifest, "payload": {n: _entry(workdir / n) for n in result.files}}
+    return Graph(prepared.model, reference, passes, quantized)
+
+
+def _compile(checked: Checked, graph: Graph, config: BuildConfig, workdir: Path) -> Compiled:
+    """The backend's build: payload files into ``workdir``; may be slow."""
+    start = time.perf_counter()
+    with step(f"building {config.backend} engine"):
+        result = checked.backend.build(graph.model, config, workdir)
+    return Compiled(workdir, result, time.perf_counter() - start)
+
+
+def _manifest(
+    request: Request, checked: Checked, graph: Graph, compiled: Compiled
+) -> dict[str, Any]:
+    """Everything the build did and needs, as the artifact's manifest.json records it (less
+    the payload checksums, added when it is staged or written)."""
+    config, model, result = request.config, checked.model, compiled.result
+    return {
+        "format_version": FORMAT_VERSION,
+        "enginekit_version": __version__,
+        "backend": {
+            "name": config.backend,
+            "version": checked.version,
+            "metadata": dict(result.metadata),
+        },
+        "target": {**target.host(), **dict(result.target)},
+        "source": {
+            "sha256": model.sha256,
+            "path": str(model.path) if model.path else None,
+            "opset": model.opset,
+        },
+        "config": config.to_json(),
+        "inputs": [s.to_json() for s in graph.reference.inputs],
+        "outputs": [s.to_json() for s in graph.reference.outputs],
+        "passes": [p.to_json() for p in graph.passes],
+        "profiles": config.to_json()["profiles"],
+        "precision": config.precision.value,
+        "calibration": graph.quantized.entry,
+        "build_key": build_key(model, config, checked.version, graph.quantized.table_hash),
+        "build": {
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "build_s": round(compiled.seconds, 3),
+            "host": target.host(),
+            "versions": _toolchain(),
+        },
+        "verify": None,
+        "bench": None,
+    }
+
+
+def _stage(compiled: Compiled, manifest: dict[str, Any]) -> Artifact:
+    """The workdir laid out as a directory artifact (payload/ and checksums), for loading."""
+    workdir, files = compiled.workdir, compiled.result.files
+    entries = payload_entries(workdir, files)
+    for name in files:
+        dest = workdir / "payload" / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(workdir / name, dest)
+    return Artifact(workdir, {**manifest, "payload": entries})
+
+
+def _verify(
+    engine: Engine, request: Request, checked: Checked, graph: Graph
+) -> dict[str, Any] | None:
+    """The engine checked against its reference: accuracy gates on data for int8, ONNX
+    Runtime CPU at a tolerance otherwise. Returns the report (None when verify is off).
+
+    Raises:
+        VerificationError: the engine failed (it is closed first).
+    """
+    config = request.config
+    if not config.verify:
+        return None
+    if config.precision == Precision.INT8:
+        report = plan.verify(engine, checked.model, config, graph.quantized, request.quant)
+        failure = (
+            f"the int8 {config.backend} engine fails its accuracy gates on {report['data']}: "
+            + "; ".join(report["failures"])
         )
-        _stage_layout(workdir, result.files)
-        cross = result.metadata.get("cross_compiled")
-        if cross:  # code for another host: write it, but neither load nor verify it here
-            return _unloaded(manifest, workdir, result.files, output, str(cross))
-        engine = be.load(staged, config.device)
-        if config.verify and config.precision == Precision.INT8:
-            report = plan.verify(engine, model, config, quantized, quant)
-            manifest["verify"] = report
-            if not report["passed"]:
-                engine.close()
-                raise VerificationError(
-                    f"the int8 {config.backend} engine fails its accuracy gates on "
-                    f"{report['data']}: {'; '.join(report['failures'])}",
-                    report,
-                )
-        elif config.verify:
-            with step("verifying against ONNX Runtime CPU"):
-                report = verify_engine(engine, reference, config)
-            manifest["verify"] = report
-            if not report["passed"]:
-                engine.close()
-                raise VerificationError(
-                    f"the {config.backend} engine disagrees with the reference past atol="
-                    f"{report['atol']}, rtol={report['rtol']}: {summarize(report)}",
-                    report,
-                )
-        if output is not None:
-            with step(f"writing {output}"):
-                written = write_artifact(output, manifest, workdir / "payload", result.files)
-            engine.manifest = open_artifact(written).manifest
-        else:
-            engine.manifest = staged.manifest | manifest
-        # The engine may map payload files (native libraries): keep them until it is gone.
-        weakref.finalize(engine, shutil.rmtree, workdir, True)
-        return engine
-    except BaseException:
-        shutil.rmtree(workdir, ignore_errors=True)
-        raise
+    else:
+        with step("verifying against ONNX Runtime CPU"):
+            report = verify_engine(engine, graph.reference, config)
+        failure = (
+            f"the {config.backend} engine disagrees with the reference past atol="
+            f"{report['atol']}, rtol={report['rtol']}: {summarize(report)}"
+        )
+    if not report["passed"]:
+        engine.close()
+        raise VerificationError(failure, report)
+    return report
+
+
+def _write(
+    engine: Engine, manifest: dict[str, Any], compiled: Compiled, output: str | os.PathLike | None
+) -> Engine:
+    """Write the artifact (when asked) and give the engine its final manifest."""
+    workdir = compiled.workdir
+    if output is not None:
+        with step(f"writing {output}"):
+            written = write_artifact(output, manifest, workdir / "payload", compiled.result.files)
+        manifest = open_artifact(written).manifest
+    engine.manifest = manifest
+    # The engine may map payload files (native libraries): keep them until it is gone.
+    weakref.finalize(engine, shutil.rmtree, workdir, True)
+    return engine
+
+
+# -- cross-compiled builds ---------------------------------------------------------------------
 
 
 class _CrossCompiled(Engine):
@@ -303,9 +372,11 @@ class _CrossCompiled(Engine):
         )
 
 
-def _unloaded(
-    manifest: dict[str, Any], workdir: Path, files: tuple[str, ...], output: Any, why: str
+def _write_unloaded(
+    manifest: dict[str, Any], compiled: Compiled, output: str | os.PathLike | None
 ) -> Engine:
+    """Write a payload that cannot run here; the returned engine only describes it."""
+    why = compiled.cross_compiled
     if output is None:
         raise BuildError(
             f"the build targets another host ({why}) and cannot run here: pass output= to "
@@ -313,8 +384,8 @@ def _unloaded(
         )
     log.warning("cross-compiled build (%s): written without loading or verifying it", why)
     with step(f"writing {output}"):
-        written = write_artifact(output, manifest, workdir / "payload", files)
-    shutil.rmtree(workdir, ignore_errors=True)
+        written = write_artifact(output, manifest, compiled.workdir, compiled.result.files)
+    shutil.rmtree(compiled.workdir, ignore_errors=True)
     spec = open_artifact(written).manifest
     return _CrossCompiled(
         [TensorSpec.from_json(s) for s in spec["inputs"]],
@@ -324,51 +395,12 @@ def _unloaded(
     )
 
 
+# -- helpers -----------------------------------------------------------------------------------
+
+
 def _toolchain() -> dict[str, str]:
     """Versions besides enginekit's and the backend's that shape an artifact (for rebuilds)."""
     import numpy
     import onnx
 
     return {"onnx": onnx.__version__, "numpy": numpy.__version__}
-
-
-def _entry(path: Path) -> dict[str, Any]:
-    h = hashlib.sha256(path.read_bytes()).hexdigest()
-    return {"sha256": h, "size": path.stat().st_size}
-
-
-def _stage_layout(workdir: Path, files: tuple[str, ...]) -> None:
-    """Move payload files under workdir/payload/ so the workdir reads as a directory artifact."""
-    for name in files:
-        dest = workdir / "payload" / name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(workdir / name, dest)
-
-
-def load(path: str | os.PathLike, device: str | None = None) -> Engine:
-    """Load an engine artifact (``.ekit`` file or directory) and return its Engine.
-
-    Checks the format version, every payload checksum, that the backend is installed, and that
-    this host can run the artifact's target; no compilation happens here.
-
-    Raises:
-        ArtifactError: what is wrong, and what to do (usually: rebuild from the source model).
-    """
-    artifact = open_artifact(path)
-    manifest = artifact.manifest
-    name = manifest.get("backend", {}).get("name")
-    device = device or manifest.get("config", {}).get("device", "cpu")
-    try:
-        be = backends.require(str(name), str(device))
-    except BackendUnavailable as exc:
-        raise ArtifactError(f"{path}: cannot load a {name} engine here: {exc}") from None
-    problems = target.missing_features(manifest.get("target", {}))
-    if problems:
-        raise ArtifactError(
-            f"{path}: built for a host with {'; '.join(problems)}. Rebuild it on this host: "
-            f"enginekit build {manifest.get('source', {}).get('path') or '<model.onnx>'} "
-            f"--backend {name}"
-        )
-    engine = be.load(artifact, str(device))
-    engine.manifest = manifest
-    return engine

@@ -240,15 +240,37 @@ def reference_session(model: Model, threads: int = 0) -> Any:
         raise ModelError(f"ONNX Runtime cannot load the model: {exc}") from None
 
 
-# -- moved to enginekit.passes -----------------------------------------------------------------
+def check_profiles(model: Model, profiles: tuple[dict[str, ShapeProfile], ...]) -> None:
+    """Every profile names real inputs, with their rank and fixed dims, and all profiles cover
+    the same inputs.
 
-_MOVED = ("make_batch_dynamic", "lint_batch", "LintIssue", "rewrite_batch", "BatchRewrite")
-
-
-def __getattr__(name: str) -> Any:
-    # The batch rewriting and lint live in enginekit.passes now; keep the old names importable.
-    if name in _MOVED:
-        from enginekit import passes
-
-        return getattr(passes, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    Raises:
+        BuildError: naming the input and dim at fault.
+    """
+    specs = {s.name: s for s in model.inputs}
+    covered = None
+    for i, p in enumerate(profiles):
+        for name, prof in p.items():
+            if name not in specs:
+                raise BuildError(
+                    f"shapes name input {name!r}, which the model does not have (inputs: "
+                    f"{', '.join(specs)})"
+                )
+            spec = specs[name]
+            if len(prof.min) != len(spec.shape):
+                raise BuildError(
+                    f"shapes for {name!r} have rank {len(prof.min)}; the model's input is "
+                    f"rank {len(spec.shape)} {spec.shape}"
+                )
+            for axis, d in enumerate(spec.shape):
+                if isinstance(d, int) and not prof.min[axis] == prof.max[axis] == d:
+                    raise BuildError(
+                        f"shapes for {name!r} dim {axis}: the model fixes it to {d}, the "
+                        f"profile gives {prof.min[axis]}..{prof.max[axis]}"
+                    )
+        if covered is not None and set(p) != covered:
+            raise BuildError(
+                f"profile {i} covers inputs {sorted(p)}, profile 0 covers {sorted(covered)}; "
+                "every profile must cover the same inputs"
+            )
+        covered = set(p)

@@ -3,7 +3,7 @@
 :func:`check_output` measures one output against its reference (max abs/rel error, error
 percentiles, cosine similarity, top-k agreement for classifier-shaped outputs) and decides pass
 or fail at ``|engine - ref| <= atol + rtol * |ref|``. :func:`verify_engine` is the build-time
-check; :mod:`enginekit.compare` runs the same checks across backends.
+check; :mod:`enginekit.evaluate.compare` runs the same checks across backends.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 from compare_helpers import run_cli, stdout_json, tiny_mlp
 
 import enginekit as ek
-from enginekit.bench import bench_many, plot, spread
+from enginekit.evaluate.bench import bench_many, plot, spread
 
 FAST = {"duration": 0.06, "rounds": 2, "warmup": 0.0}
 

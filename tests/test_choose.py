@@ -9,7 +9,7 @@ import pytest
 from compare_helpers import changed_weight, padded, run_cli, stdout_json, tiny_mlp
 
 import enginekit as ek
-from enginekit.choose import default_candidates
+from enginekit.evaluate.choose import default_candidates
 
 SHAPES = {"x": [(1, 16), (8, 16), (16, 16)]}
 SHAPES_TEXT = "x:1x16,8x16,16x16"

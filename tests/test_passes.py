@@ -155,12 +155,6 @@ def test_legacy_opset9_model_becomes_dynamic_batch_and_runs_at_batch_5():
     np.testing.assert_allclose(got["total"], np.concatenate([r[1] for r in rows]), rtol=1e-4)
 
 
-def test_make_batch_dynamic_still_importable_from_model_module():
-    from enginekit.model import lint_batch, make_batch_dynamic
-
-    assert make_batch_dynamic is passes.make_batch_dynamic and lint_batch is passes.lint_batch
-
-
 def test_rewrite_batch_reports_what_it_cannot_prove():
     # ConstantOfShape([2, 4]) makes a batch-sized tensor from nothing: maybe the batch, maybe not.
     nodes = [

@@ -8,6 +8,8 @@ A backend is a module (or any object) with:
 - ``load(artifact, device) -> Engine``: fast, no compilation;
 - optionally ``supported_ops() -> list[str]`` and ``inspect(artifact) -> dict``.
 
+:func:`load` opens an artifact with the backend its manifest names: ``enginekit.load``.
+
 Built-in backends are listed in ``_BUILTIN``; third parties register more through the
 ``enginekit.backends`` entry-point group (``name = "package.module"``). Modules are imported on
 first use, and import their heavy dependency lazily, so ``import enginekit`` stays light.
@@ -18,14 +20,16 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from enginekit.errors import BackendUnavailable, BuildError
+from enginekit import target
+from enginekit.artifact import Artifact, open_artifact
+from enginekit.errors import ArtifactError, BackendUnavailable, BuildError
 
 if TYPE_CHECKING:
-    from enginekit.artifact import Artifact
     from enginekit.config import BuildConfig
     from enginekit.engine import Engine
     from enginekit.model import Model
@@ -160,3 +164,32 @@ def check_options(backend: Backend, options: Mapping[str, Any]) -> None:
             f"backend {backend.NAME!r} has no option(s) {', '.join(map(repr, unknown))}; "
             f"its options: {listing}"
         )
+
+
+def load(path: str | os.PathLike, device: str | None = None) -> Engine:
+    """Load an engine artifact (``.ekit`` file or directory) and return its Engine.
+
+    Checks the format version, every payload checksum, that the backend is installed, and that
+    this host can run the artifact's target; no compilation happens here.
+
+    Raises:
+        ArtifactError: what is wrong, and what to do (usually: rebuild from the source model).
+    """
+    artifact = open_artifact(path)
+    manifest = artifact.manifest
+    name = manifest.get("backend", {}).get("name")
+    device = device or manifest.get("config", {}).get("device", "cpu")
+    try:
+        be = require(str(name), str(device))
+    except BackendUnavailable as exc:
+        raise ArtifactError(f"{path}: cannot load a {name} engine here: {exc}") from None
+    problems = target.missing_features(manifest.get("target", {}))
+    if problems:
+        raise ArtifactError(
+            f"{path}: built for a host with {'; '.join(problems)}. Rebuild it on this host: "
+            f"enginekit build {manifest.get('source', {}).get('path') or '<model.onnx>'} "
+            f"--backend {name}"
+        )
+    engine = be.load(artifact, str(device))
+    engine.manifest = manifest
+    return engine

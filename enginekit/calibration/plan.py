@@ -67,8 +67,8 @@ class Quantization:
     allow_table_mismatch: bool = False
 
 
-@dataclasses.dataclass
-class Prepared:
+@dataclasses.dataclass(frozen=True)
+class Quantized:
     """The model the backend builds from, and what the manifest records about it."""
 
     model: Model
@@ -91,7 +91,7 @@ def check_precision(backend: Any, config: BuildConfig) -> None:
         )
 
 
-def prepare(model: Model, config: BuildConfig, backend: Any, q: Quantization) -> Prepared:
+def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -> Quantized:
     """The model to hand the backend: the source, or for int8 its Q/DQ version.
 
     Raises:
@@ -114,13 +114,13 @@ def prepare(model: Model, config: BuildConfig, backend: Any, q: Quantization) ->
                 f"{', '.join(given)}: for precision='int8'; this build is "
                 f"{config.precision.value}, verified at a tolerance (atol=, rtol=)"
             )
-        return Prepared(model)
+        return Quantized(model)
     if q.calibration is not None and q.calib_data is not None:
         raise BuildError("give calibration= (a table) or calib_data= (data), not both")
     if has_qdq(model.proto):
         if q.calibration is not None or q.calib_data is not None:
             log.warning("the model already carries Q/DQ nodes; its own scales are used")
-        return Prepared(model, entry={"source": "model (Q/DQ nodes already present)"})
+        return Quantized(model, entry={"source": "model (Q/DQ nodes already present)"})
     held = Holdout(HOLDOUT_EVERY, HOLDOUT_CAP)
     if q.calibration is not None:
         table = as_table(q.calibration)
@@ -140,7 +140,7 @@ def prepare(model: Model, config: BuildConfig, backend: Any, q: Quantization) ->
     with step("writing the Q/DQ model"):
         qdq = write_qdq(model, table, allow_table_mismatch=q.allow_table_mismatch, **options)
     entry = {**table.manifest_entry(), "qdq": {"style": "tensorrt", **options}}
-    return Prepared(load_model(qdq), table, held.held, entry)
+    return Quantized(load_model(qdq), table, held.held, entry)
 
 
 def _profile(config: BuildConfig) -> Mapping[str, Any] | None:
@@ -148,7 +148,7 @@ def _profile(config: BuildConfig) -> Mapping[str, Any] | None:
 
 
 def verify(
-    engine: Engine, model: Model, config: BuildConfig, prepared: Prepared, q: Quantization
+    engine: Engine, model: Model, config: BuildConfig, quantized: Quantized, q: Quantization
 ) -> dict[str, Any]:
     """Accuracy report of an int8 engine against the float32 source model.
 
@@ -158,8 +158,8 @@ def verify(
     if q.verify_data is not None:
         data = batches(q.verify_data, model.inputs, DEFAULT_BATCH, VERIFY_CAP, _profile(config))
         label = "verify_data"
-    elif prepared.held_out:
-        data = iter(prepared.held_out)
+    elif quantized.held_out:
+        data = iter(quantized.held_out)
         label = f"held-out calibration samples (every {HOLDOUT_EVERY}th)"
     else:
         if q.gates.min_top1_agreement is not None:
@@ -184,10 +184,10 @@ def verify(
 
 __all__ = [
     "Gates",
-    "Prepared",
     "Quantization",
+    "Quantized",
     "check_precision",
     "has_qdq",
-    "prepare",
+    "quantize",
     "verify",
 ]

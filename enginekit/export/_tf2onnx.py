@@ -1,15 +1,19 @@
 """The TensorFlow exporter's conversion and check: trace, tf2onnx, repair, compare.
 
-Imported only by :mod:`enginekit.export.tensorflow` once TensorFlow is imported.
+:mod:`enginekit.export.tensorflow` reduces what it is given to a :class:`Target` and hands it
+here. Importing this module is cheap: TensorFlow is taken from ``sys.modules`` and tf2onnx is
+imported by :func:`convert`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import re
 import sys
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -17,10 +21,62 @@ from onnx import numpy_helper
 
 from enginekit.errors import ExportError
 
-if TYPE_CHECKING:
-    from enginekit.export.tensorflow import Target
-
 log = logging.getLogger("enginekit.export.tensorflow")
+
+#: Variables past this make a protobuf over 2 GiB, which tf2onnx writes only in its own format.
+_MAX_BYTES = (2 << 30) - (64 << 20)
+#: Default sizes of dynamic dims for the check when no example inputs are given.
+_BATCH_SIZE, _OTHER_SIZE = 1, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A TensorFlow callable reduced to flat, named inputs.
+
+    Attributes:
+        call: flat input tensors, in ``names`` order -> the model's output structure.
+        names: input names (become the ONNX input names).
+        dtypes: TensorFlow dtypes of the inputs.
+        shapes: declared shapes; None marks a dim the model leaves open.
+        relaxable: ``call`` may be traced with dims its declaration fixes (it is Python code,
+            not an already traced graph).
+        output_names: the names the model gives its outputs, when it does.
+        what: a description for messages.
+    """
+
+    call: Callable[..., Any]
+    names: tuple[str, ...]
+    dtypes: tuple[Any, ...]
+    shapes: tuple[tuple[int | None, ...], ...]
+    relaxable: bool
+    output_names: tuple[str, ...] | None
+    what: str
+
+
+@contextlib.contextmanager
+def _quiet(errors: list[str]) -> Iterator[None]:
+    """Silence TensorFlow's and tf2onnx's Python logs; collect tf2onnx's errors in ``errors``."""
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            errors.append(record.getMessage())
+
+    handler = Collect(logging.ERROR)
+    tf2onnx_log = logging.getLogger("tf2onnx")
+    tf_log = logging.getLogger("tensorflow")
+    saved = (tf2onnx_log.level, tf2onnx_log.propagate, tf_log.level)
+    tf2onnx_log.addHandler(handler)
+    tf2onnx_log.setLevel(logging.ERROR)
+    tf2onnx_log.propagate = False
+    tf_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        tf2onnx_log.removeHandler(handler)
+        tf2onnx_log.setLevel(saved[0])
+        tf2onnx_log.propagate = saved[1]
+        tf_log.setLevel(saved[2])
+
 
 _RANDOM = re.compile(r"Random|Multinomial|TruncatedNormal")
 
@@ -72,8 +128,6 @@ def _refuse_random(concrete: Any, what: str) -> None:
 
 
 def _check_size(concrete: Any, what: str) -> None:
-    from enginekit.export.tensorflow import _MAX_BYTES
-
     total = sum(v.shape.num_elements() * v.dtype.size for v in concrete.variables)
     if total > _MAX_BYTES:
         raise ExportError(
@@ -165,8 +219,6 @@ def convert(
     traced tf.function (the check's reference) and the output names."""
     import tf2onnx
 
-    from enginekit.export.tensorflow import _quiet
-
     tf = sys.modules["tensorflow"]
     sig = [tf.TensorSpec(s, d, name=n) for n, d, s in zip(target.names, target.dtypes, shapes)]
     chosen: list[str] = []
@@ -236,8 +288,6 @@ def _sizes(
     Dims the model left open and nobody named (``ids_dim1``, ``mask_dim1``) may have to agree
     with each other, so those at the same axis move together.
     """
-    from enginekit.export.tensorflow import _BATCH_SIZE, _OTHER_SIZE
-
     first: dict[str, int] = {}
     group: dict[str, Any] = {}
     for name, wanted in zip(names, axes):

@@ -9,7 +9,6 @@ Keras models are always called with ``training=False``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import logging
@@ -18,7 +17,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import numpy as np
 import onnx
 
 from enginekit.errors import ExportError
+from enginekit.export._tf2onnx import Target
 
 NAME = "tensorflow"
 #: What paths this exporter takes (the registry quotes it when nothing accepts a path).
@@ -34,11 +34,6 @@ PATHS = "a SavedModel directory (holding saved_model.pb) or a .keras file"
 MAX_OPSET = 18
 MIN_OPSET = 9
 log = logging.getLogger(__name__)
-
-#: Variables past this make a protobuf over 2 GiB, which tf2onnx writes only in its own format.
-_MAX_BYTES = (2 << 30) - (64 << 20)
-#: Default sizes of dynamic dims for the check when no example inputs are given.
-_BATCH_SIZE, _OTHER_SIZE = 1, 4
 
 
 def _path_kind(path: Path) -> str | None:
@@ -86,56 +81,7 @@ def _tf() -> Any:
     return tf
 
 
-@contextlib.contextmanager
-def _quiet(errors: list[str]) -> Iterator[None]:
-    """Silence TensorFlow's and tf2onnx's Python logs; collect tf2onnx's errors in ``errors``."""
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            errors.append(record.getMessage())
-
-    handler = Collect(logging.ERROR)
-    tf2onnx_log = logging.getLogger("tf2onnx")
-    tf_log = logging.getLogger("tensorflow")
-    saved = (tf2onnx_log.level, tf2onnx_log.propagate, tf_log.level)
-    tf2onnx_log.addHandler(handler)
-    tf2onnx_log.setLevel(logging.ERROR)
-    tf2onnx_log.propagate = False
-    tf_log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        tf2onnx_log.removeHandler(handler)
-        tf2onnx_log.setLevel(saved[0])
-        tf2onnx_log.propagate = saved[1]
-        tf_log.setLevel(saved[2])
-
-
 # -- what is being exported --------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A TensorFlow callable reduced to flat, named inputs.
-
-    Attributes:
-        call: flat input tensors, in ``names`` order -> the model's output structure.
-        names: input names (become the ONNX input names).
-        dtypes: TensorFlow dtypes of the inputs.
-        shapes: declared shapes; None marks a dim the model leaves open.
-        relaxable: ``call`` may be traced with dims its declaration fixes (it is Python code,
-            not an already traced graph).
-        output_names: the names the model gives its outputs, when it does.
-        what: a description for messages.
-    """
-
-    call: Callable[..., Any]
-    names: tuple[str, ...]
-    dtypes: tuple[Any, ...]
-    shapes: tuple[tuple[int | None, ...], ...]
-    relaxable: bool
-    output_names: tuple[str, ...] | None
-    what: str
 
 
 def _clean(name: str, taken: set[str]) -> str:
@@ -509,7 +455,7 @@ def export(
     axes = _symbols(target, dynamic_batch, dynamic_dims)
     shapes = _export_shapes(target, axes, examples)
 
-    from enginekit.export._tf2onnx import check_outputs, convert
+    from enginekit.export._tf2onnx import check_outputs, convert  # needs TensorFlow imported
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,8 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from enginekit import __version__
 from enginekit.errors import ArtifactError, EnginekitError
+from enginekit.version import __version__
 
 LAYOUT = "v1"
 _KEY = re.compile(r"[0-9a-f]{64}")

@@ -12,7 +12,7 @@ from enginekit.config import ShapeProfile
 from enginekit.errors import BackendUnavailable, EnginekitError
 
 if TYPE_CHECKING:
-    from enginekit.pipeline.config import _Collector
+    from enginekit.pipeline.locate import Collector
     from enginekit.pipeline.locate import Path as KeyPath
 
 
@@ -34,12 +34,11 @@ def model_has_qdq(path: Path) -> bool:
 
 
 def check_shapes(
-    model_path: Path, profiles: tuple[dict[str, ShapeProfile], ...], c: _Collector
+    model_path: Path, profiles: tuple[dict[str, ShapeProfile], ...], c: Collector
 ) -> None:
     """Profiles name real inputs with their rank and fixed dims; dynamic dims past the batch
     have shapes (verification cannot make up a sequence length)."""
-    from enginekit.build import check_profiles
-    from enginekit.model import Model, io_specs
+    from enginekit.model import Model, check_profiles, io_specs
 
     try:
         proto = _graph(model_path)
@@ -76,7 +75,7 @@ def check_shapes(
                 break
 
 
-def check_outputs(model_path: Path, outputs: Sequence[str], c: _Collector) -> None:
+def check_outputs(model_path: Path, outputs: Sequence[str], c: Collector) -> None:
     """Every tensor named in ``model.outputs`` is computed somewhere in the graph."""
     try:
         graph = _graph(model_path).graph
@@ -96,7 +95,7 @@ def check_backend(
     has_layout: bool,
     options: dict[str, Any],
     key: KeyPath,
-    c: _Collector,
+    c: Collector,
 ) -> None:
     """Options, layout and precisions the backend knows, where it is registered here; an
     unregistered backend is a warning (its entries are skipped on this runner)."""

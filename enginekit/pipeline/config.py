@@ -25,9 +25,11 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
 
 from enginekit.config import BuildConfig, ShapeProfile
 from enginekit.errors import EnginekitError
+from enginekit.pipeline.checks import check_backend, check_outputs, check_shapes, model_has_qdq
 from enginekit.pipeline.fields import Issue
+from enginekit.pipeline.locate import Collector, Located
 from enginekit.pipeline.locate import Path as KeyPath
-from enginekit.pipeline.locate import format_path, key_lines, line_of
+from enginekit.pipeline.source import find_module
 from enginekit.pipeline.spec import ENTRY_POINT, SPEC
 
 
@@ -39,22 +41,6 @@ class ConfigError(EnginekitError):
         self.issues = issues
         lines = "\n".join(i.format(path) for i in issues)
         super().__init__(f"{path}: {len(issues)} problem(s):\n{lines}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Located:
-    """An issue with its line in the file (None when the key could not be placed)."""
-
-    path: KeyPath
-    line: int | None
-    message: str
-
-    def format(self, file: Path) -> str:
-        where = f"{file}:{self.line}" if self.line else str(file)
-        return f"{where}: {format_path(self.path)}: {self.message}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key": format_path(self.path), "line": self.line, "message": self.message}
 
 
 # -- the validated config ------------------------------------------------------------------------
@@ -172,19 +158,6 @@ class PipelineConfig:
 # -- loading -------------------------------------------------------------------------------------
 
 
-class _Collector:
-    def __init__(self, text: str) -> None:
-        self.lines = key_lines(text)
-        self.errors: list[Located] = []
-        self.warnings: list[Located] = []
-
-    def error(self, path: KeyPath, message: str) -> None:
-        self.errors.append(Located(path, line_of(self.lines, path), message))
-
-    def warn(self, path: KeyPath, message: str) -> None:
-        self.warnings.append(Located(path, line_of(self.lines, path), message))
-
-
 def load(path: str | os.PathLike, strict: bool = False) -> PipelineConfig:
     """Read and validate a build file.
 
@@ -206,7 +179,7 @@ def load(path: str | os.PathLike, strict: bool = False) -> PipelineConfig:
     except tomllib.TOMLDecodeError as exc:
         line = _decode_error_line(str(exc))
         raise ConfigError(file, [Located((), line, f"not valid TOML: {exc}")]) from None
-    c = _Collector(text)
+    c = Collector(text)
     issues: list[Issue] = []
     checked = SPEC.check(data, (), issues)
     for issue in issues:
@@ -225,14 +198,12 @@ def _decode_error_line(message: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _build(file: Path, digest: str, data: dict[str, Any], c: _Collector) -> PipelineConfig | None:
+def _build(file: Path, digest: str, data: dict[str, Any], c: Collector) -> PipelineConfig | None:
     root = file.parent
     model = _model(root, data.get("model"), c)
     profiles = _profiles(data.get("shapes"), c)
     calibration = _calibration(root, data.get("calibration"), c)
     if model is not None and model.path is not None:
-        from enginekit.pipeline.checks import check_outputs, check_shapes
-
         check_shapes(model.path, profiles, c)
         check_outputs(model.path, model.outputs, c)
     entries = _entries(data.get("engine") or [], profiles, calibration, model, c)
@@ -243,7 +214,7 @@ def _build(file: Path, digest: str, data: dict[str, Any], c: _Collector) -> Pipe
     return PipelineConfig(file, digest, model, profiles, entries, calibration, gates, bench)
 
 
-def _model(root: Path, table: dict[str, Any] | None, c: _Collector) -> ModelSpec | None:
+def _model(root: Path, table: dict[str, Any] | None, c: Collector) -> ModelSpec | None:
     if not table or table.get("source") is None:
         return None
     source = table["source"]
@@ -253,8 +224,6 @@ def _model(root: Path, table: dict[str, Any] | None, c: _Collector) -> ModelSpec
     candidate = root / source
     if ENTRY_POINT.fullmatch(source) and not candidate.exists():
         module = source.partition(":")[0]
-        from enginekit.pipeline.source import find_module
-
         problem = find_module(module, python_path)
         if problem:
             c.error(("model", "source"), problem)
@@ -275,7 +244,7 @@ def _model(root: Path, table: dict[str, Any] | None, c: _Collector) -> ModelSpec
     return ModelSpec(source, path, None, name, {}, python_path, outputs)
 
 
-def _profiles(value: Any, c: _Collector) -> tuple[dict[str, ShapeProfile], ...]:
+def _profiles(value: Any, c: Collector) -> tuple[dict[str, ShapeProfile], ...]:
     """The profiles, without the inputs whose shapes were invalid (already reported)."""
     if value is None:
         return ()
@@ -291,7 +260,7 @@ def _profiles(value: Any, c: _Collector) -> tuple[dict[str, ShapeProfile], ...]:
     return profiles
 
 
-def _files(root: Path, patterns: list[str], key: KeyPath, c: _Collector) -> tuple[Path, ...]:
+def _files(root: Path, patterns: list[str], key: KeyPath, c: Collector) -> tuple[Path, ...]:
     found: list[Path] = []
     for i, pattern in enumerate(patterns):
         where = (*key, i) if len(patterns) > 1 else key
@@ -308,7 +277,7 @@ def _files(root: Path, patterns: list[str], key: KeyPath, c: _Collector) -> tupl
     return tuple(found)
 
 
-def _calibration(root: Path, table: dict[str, Any] | None, c: _Collector) -> CalibrationSpec | None:
+def _calibration(root: Path, table: dict[str, Any] | None, c: Collector) -> CalibrationSpec | None:
     if table is None:
         return None
     key = ("calibration",)
@@ -334,10 +303,8 @@ def _entries(
     profiles: tuple[dict[str, ShapeProfile], ...],
     calibration: CalibrationSpec | None,
     model: ModelSpec | None,
-    c: _Collector,
+    c: Collector,
 ) -> tuple[Entry, ...]:
-    from enginekit.pipeline.checks import check_backend, model_has_qdq
-
     name = model.name if model is not None else "model"
 
     entries: list[Entry] = []
@@ -401,7 +368,7 @@ def _entries(
     return tuple(entries)
 
 
-def _gates(table: dict[str, Any], entries: tuple[Entry, ...], c: _Collector) -> Gates:
+def _gates(table: dict[str, Any], entries: tuple[Entry, ...], c: Collector) -> Gates:
     used = {e.precision for e in entries}
     for gate in ("max_abs_error", "min_top1_agreement"):
         for precision in table.get(gate) or {}:

@@ -3,13 +3,17 @@
 :func:`key_lines` maps every key path it can place to its 1-based line: ``("model", "source")``,
 ``("engine", 1, "precision")`` (the second ``[[engine]]`` table), ``("gates", "max_abs_error",
 "int8")`` (a key inside an inline table). Values inside arrays are not placed: their path falls
-back to the key that holds the array (:func:`line_of`).
+back to the key that holds the array (:func:`line_of`). :class:`Collector` gathers the problems
+found while reading a build file, each :class:`Located` at its line.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 from collections.abc import Mapping
+from typing import Any
 
 Path = tuple[str | int, ...]
 
@@ -198,3 +202,34 @@ def line_of(lines: Mapping[Path, int], path: Path) -> int | None:
         if found is not None:
             return found
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+    """An issue with its line in the file (None when the key could not be placed)."""
+
+    path: Path
+    line: int | None
+    message: str
+
+    def format(self, file: os.PathLike | str) -> str:
+        where = f"{file}:{self.line}" if self.line else str(file)
+        return f"{where}: {format_path(self.path)}: {self.message}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": format_path(self.path), "line": self.line, "message": self.message}
+
+
+class Collector:
+    """Gathers the problems found in a build file, each placed at its line."""
+
+    def __init__(self, text: str) -> None:
+        self.lines = key_lines(text)
+        self.errors: list[Located] = []
+        self.warnings: list[Located] = []
+
+    def error(self, path: Path, message: str) -> None:
+        self.errors.append(Located(path, line_of(self.lines, path), message))
+
+    def warn(self, path: Path, message: str) -> None:
+        self.warnings.append(Located(path, line_of(self.lines, path), message))

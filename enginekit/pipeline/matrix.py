@@ -175,7 +175,7 @@ def plan(
 ) -> tuple[list[Job], list[Outcome]]:
     """Jobs for the entries that can build here, and outcomes for those that cannot (skipped,
     or failed with ``strict``)."""
-    from enginekit.build import build_key
+    from enginekit.artifact import build_key
 
     digest = calibration_digest(cfg.calibration, cfg.root)
     jobs: list[Job] = []
@@ -242,7 +242,7 @@ def build_one(job: Job) -> Outcome:
     """Build one entry (under its cache lock: a job that needs the same key meanwhile waits and
     then gets a hit), store it in the cache, and return what happened. Never raises for a
     failed build: the outcome says why."""
-    import enginekit as ek
+    from enginekit.build import build
 
     start = time.perf_counter()
     cache = Cache(job.cache) if job.cache is not None else None
@@ -253,7 +253,7 @@ def build_one(job: Job) -> Outcome:
                 manifest = cache.fetch(job.key, Path(job.output))
                 if manifest is not None:
                     return _from_manifest(job, "cached", manifest, time.perf_counter() - start)
-            engine = ek.build(
+            engine = build(
                 job.model, config=job.entry.config, output=job.output, **job.build_kwargs
             )
             manifest = dict(engine.manifest)

@@ -1,5 +1,5 @@
 """The bench step of a pipeline run: throughput and latency of every built entry, measured by
-:func:`enginekit.bench.bench_many`.
+:func:`enginekit.evaluate.bench.bench_many`.
 
 It runs after all builds, in one process, never beside a build: engines measured side by side
 with other work would slow each other down. ``bench_many`` interleaves its rounds across the
@@ -42,15 +42,15 @@ def measure(
         "latency_ms": {"p50", "p90", "p99", ...}, "spread", "stable", "split", "error", ...}]}``;
         an entry whose artifact cannot be loaded gets ``{"tool", "error", "batches": []}``.
     """
-    import enginekit as ek
-    from enginekit.bench import batched, bench_many
+    from enginekit.backends import load
+    from enginekit.evaluate.bench import batched, bench_many
 
     out: dict[str, dict[str, Any]] = {}
     opened: list[tuple[str, Any]] = []
     try:
         for entry_id, path in artifacts:
             try:
-                opened.append((entry_id, ek.load(path)))
+                opened.append((entry_id, load(path)))
             except EnginekitError as exc:
                 out[entry_id] = {"tool": TOOL, "error": str(exc), "batches": []}
         if not opened:

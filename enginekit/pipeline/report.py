@@ -14,14 +14,16 @@ import datetime
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from enginekit import __version__, target
-from enginekit.pipeline.config import ConfigError, Entry, Gates, Located, PipelineConfig
+from enginekit import target
+from enginekit.files import atomic_write
+from enginekit.pipeline.config import ConfigError, Entry, Gates, PipelineConfig
+from enginekit.pipeline.locate import Located
 from enginekit.pipeline.matrix import Outcome
+from enginekit.version import __version__
 
 SCHEMA = "enginekit.pipeline-report/1"
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_GATE = 0, 1, 2, 3
@@ -393,19 +395,6 @@ def markdown(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def strict_json(value: Any) -> Any:
     """Non-finite floats (an infinite error) become None: strict JSON has neither."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -423,8 +412,9 @@ def write(report: Mapping[str, Any], out_dir: Path) -> tuple[Path, Path]:
     json_path, md_path = out_dir / "report.json", out_dir / "report.md"
     text = markdown(report)
     strict = json.dumps(strict_json(report), indent=2, default=str, allow_nan=False)
-    _atomic_write(json_path, strict + "\n")
-    _atomic_write(md_path, text)
+    for path, content in ((json_path, strict + "\n"), (md_path, text)):
+        with atomic_write(path, "w") as f:
+            f.write(content)
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:
         with open(summary, "a", encoding="utf-8") as f:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from enginekit.errors import ExportError
-from enginekit.pipeline.config import ModelSpec
 
 
 @contextlib.contextmanager
@@ -69,19 +68,3 @@ def call_entry(entry: str, python_path: Sequence[Path]) -> tuple[Any, Any]:
             "(model, example_inputs)"
         )
     return result
-
-
-def model_path(spec: ModelSpec, out_dir: Path) -> Path:
-    """The ONNX file to build from: the source file, or the entry exported to
-    ``out_dir/<name>.onnx`` (a deliverable next to the engines; its bytes make the cache key).
-    """
-    if spec.path is not None:
-        return spec.path
-    assert spec.entry is not None  # ModelSpec has a path or an entry
-    from enginekit.export import export
-    from enginekit.progress import step
-
-    model, example = call_entry(spec.entry, spec.python_path)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with step(f"exporting {spec.entry}"):
-        return Path(export(model, example, out_dir / f"{spec.name}.onnx", **spec.export_options))

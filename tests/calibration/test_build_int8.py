@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 import enginekit as ek
-from enginekit.build import build_key
+from enginekit.artifact import build_key
 from enginekit.calibration import plan
 from enginekit.calibration.writers import write_qdq
 from enginekit.config import BuildConfig

@@ -10,7 +10,8 @@ import pytest
 
 import enginekit as ek
 from enginekit.calibration.writers import read_trt_cache
-from enginekit.cli import EXIT_FAILURE, EXIT_OK, EXIT_VERIFY, main
+from enginekit.cli import main
+from enginekit.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_VERIFY
 
 # Fixtures shared by the calibration tests (see calib_models).
 tiny_cnn_path = calib_models.tiny_cnn_path

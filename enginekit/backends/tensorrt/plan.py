@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from enginekit.backends.tensorrt import precision as rewrite
+from enginekit.backends.tensorrt.precision import DEFAULT_FP32_OPS
 from enginekit.config import BuildConfig, Precision, ShapeProfile
 from enginekit.engine import TensorSpec
 from enginekit.errors import BuildError
@@ -37,11 +39,6 @@ _MEMORY_POOLS = (
     "TACTIC_DRAM",
     "TACTIC_SHARED_MEMORY",
 )
-
-#: Ops kept in fp32 by the fp16/bf16 rewrite unless ``fp32_ops`` says otherwise: reductions of
-#: squares and powers overflow fp16's 65504 range long before their results do.
-DEFAULT_FP32_OPS = ("Pow", "ReduceSumSquare", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp")
-
 
 # -- versions ----------------------------------------------------------------------------------
 
@@ -426,8 +423,6 @@ def plan_build(
     Raises:
         BuildError: bad profiles, options or precision, with what to change.
     """
-    from enginekit.backends.tensorrt import precision as rewrite
-
     gen = generation(trt_version)
     options = dict(config.options)
     level = options.get("builder_optimization_level")
@@ -486,7 +481,7 @@ def build_key(
     that only move files, such as ``timing_cache``), calibration (the Q/DQ model's hash),
     TensorRT version and GPU compute capability. Same key, same engine.
     """
-    from enginekit.build import build_key as spine_key
+    from enginekit.artifact import build_key as spine_key
 
     options = {k: v for k, v in config.options.items() if k not in _NOT_IN_KEY}
     keyed = dataclasses.replace(config, options=options)

@@ -24,10 +24,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from enginekit.backends.tensorrt.plan import DEFAULT_FP32_OPS
 from enginekit.errors import BuildError
 
 log = logging.getLogger(__name__)
+
+#: Ops kept in fp32 by the fp16/bf16 rewrite unless ``fp32_ops`` says otherwise: reductions of
+#: squares and powers overflow fp16's 65504 range long before their results do.
+DEFAULT_FP32_OPS = ("Pow", "ReduceSumSquare", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp")
 
 FLOAT: int = TensorProto.FLOAT
 _LOW: dict[str, int] = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
@@ -69,7 +72,7 @@ def to_low_precision(
     Args:
         proto: the float32 model.
         precision: ``fp16`` or ``bf16``.
-        fp32_ops: op types to keep in float32 (default: plan.DEFAULT_FP32_OPS).
+        fp32_ops: op types to keep in float32 (default: DEFAULT_FP32_OPS).
 
     Raises:
         BuildError: the model has control-flow subgraphs (If/Loop/Scan), or a tensor whose type

@@ -13,7 +13,8 @@ import trt_models
 import enginekit as ek
 from enginekit import backends
 from enginekit.backends import tensorrt as backend
-from enginekit.cli import backend_flag_options, main, parser
+from enginekit.cli import main, parser
+from enginekit.cli.build import backend_flag_options
 from enginekit.config import BuildConfig, parse_shapes
 from enginekit.errors import BuildError
 from enginekit.model import load_model

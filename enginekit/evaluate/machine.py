@@ -6,7 +6,8 @@ import importlib.metadata
 import os
 from typing import Any
 
-from enginekit import __version__, target
+from enginekit import target
+from enginekit.version import __version__
 
 #: Packages whose versions a report records when installed.
 _PACKAGES = (

@@ -1,5 +1,5 @@
 """Candidates: one way to build an engine (backend, options, precision, optional model variant),
-and whether it can be built here. Shared by :mod:`enginekit.compare` and :mod:`enginekit.choose`.
+and whether it can be built here. Shared by :mod:`enginekit.evaluate.compare` and :mod:`enginekit.evaluate.choose`.
 """
 
 from __future__ import annotations

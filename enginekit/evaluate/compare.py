@@ -20,16 +20,17 @@ from typing import Any
 
 import numpy as np
 
-from enginekit import __version__, target
 from enginekit import backends as registry
-from enginekit.candidates import Candidate, as_candidate, skip_reason
+from enginekit import target
 from enginekit.config import DEFAULT_TOLERANCE, BuildConfig, Precision, ShapesArg, normalize_shapes
 from enginekit.engine import Engine, to_numpy
 from enginekit.errors import EnginekitError, UsageError
-from enginekit.golden import Golden, load_golden, save_golden
+from enginekit.evaluate.candidates import Candidate, as_candidate, skip_reason
+from enginekit.evaluate.golden import Golden, load_golden, save_golden
+from enginekit.evaluate.reference import resolve_reference
 from enginekit.model import Model, ModelSource, concrete_shapes, load_model, random_feeds
-from enginekit.reference import resolve_reference
 from enginekit.verify import DEFAULT_TOPK, OutputCheck, check_outputs, verification_points
+from enginekit.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ class CompareReport:
 
     def table(self) -> str:
         """A fixed-width table for the terminal: one row per entry and output (worst case)."""
-        from enginekit.report import compare_table
+        from enginekit.evaluate.report import compare_table
 
         return compare_table(self)
 
@@ -423,7 +424,7 @@ def compare(
     loaded = load_model(model) if model is not None else None
     profiles = normalize_shapes(shapes)
     if loaded is not None and profiles:
-        from enginekit.build import check_profiles
+        from enginekit.model import check_profiles
 
         check_profiles(loaded, profiles)
     entries = list(backends) if backends is not None else _available_names(device)
@@ -519,7 +520,7 @@ def _is_engine_like(entry: Any) -> bool:
 def _open(entry: Any) -> Engine:
     if isinstance(entry, Engine):
         return entry
-    from enginekit.build import load
+    from enginekit.backends import load
 
     return load(entry)
 

@@ -8,11 +8,12 @@ import importlib.util
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from enginekit.cli import EXIT_OK, UsageError, _emit, _format_specs, load_inputs
+from enginekit.cli.common import EXIT_OK, emit, format_specs, load_inputs
+from enginekit.errors import UsageError
+from enginekit.files import atomic_path
 
 # -- export ------------------------------------------------------------------------------------
 
@@ -50,7 +51,7 @@ def add_export(sub: Any) -> None:
     p.add_argument("--signature", help="the SavedModel signature to export (serving_default)")
     p.add_argument("--no-check", action="store_true", help="skip the check against the framework")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cmd_export)
+    p.set_defaults(func=cmd_export)
 
 
 _DYNAMIC = re.compile(r"^(?P<input>[^:]+):(?P<axis>-?\d+)=(?P<name>\w+)$")
@@ -100,9 +101,11 @@ def resolve(spec: str) -> Any:
     return obj
 
 
-def _cmd_export(args: argparse.Namespace) -> int:
-    import enginekit as ek
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export, check against the framework, and print the ONNX model's interface."""
+    from enginekit.export import export
     from enginekit.export import torch as torch_export
+    from enginekit.model import load_model
 
     model = resolve(args.model)
     feeds = load_inputs(args.input) if args.input else None
@@ -122,8 +125,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         options["opset"] = args.opset
     if args.signature:
         options["signature"] = args.signature
-    path = ek.export(model, example, args.output, **options)
-    written = ek.load_model(path)
+    path = export(model, example, args.output, **options)
+    written = load_model(path)
     info: dict[str, Any] = {
         "path": str(path),
         "opset": written.opset,
@@ -135,9 +138,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     text = (
         f"exported {path} (opset {written.opset}"
         + (", checked against the framework" if info["checked"] else ", not checked")
-        + f")\ninputs   {_format_specs(info['inputs'])}\noutputs  {_format_specs(info['outputs'])}"
+        + f")\ninputs   {format_specs(info['inputs'])}\noutputs  {format_specs(info['outputs'])}"
     )
-    _emit(args, info, text)
+    emit(args, info, text)
     return EXIT_OK
 
 
@@ -164,14 +167,16 @@ def add_prepare(sub: Any) -> None:
     p.add_argument("--no-simplify", action="store_true", help="skip graph simplification")
     p.add_argument("--opset", type=int, help="convert to this ai.onnx opset")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cmd_prepare)
+    p.set_defaults(func=cmd_prepare)
 
 
-def _cmd_prepare(args: argparse.Namespace) -> int:
-    import enginekit as ek
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """Run the asked rewrites in a fixed order; print what each did (and the batch lint)."""
     from enginekit import passes
+    from enginekit.errors import ModelError
+    from enginekit.model import load_model
 
-    source = ek.load_model(args.model)
+    source = load_model(args.model)
     proto = source.proto
     steps: list[dict[str, Any]] = []
 
@@ -203,17 +208,10 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         proto = record("simplify", passes.simplify(proto))
     if args.opset is not None:
         proto = record("convert_opset", passes.convert_opset(proto, args.opset), to=args.opset)
-    model = ek.load_model(proto)
+    model = load_model(proto)
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-    os.close(fd)
-    try:
+    with atomic_path(out) as tmp:
         model.save(tmp)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     info: dict[str, Any] = {
         "path": str(out),
         "opset": model.opset,
@@ -223,8 +221,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     }
     if args.batch_dynamic:
         try:
-            problems = [str(i) for i in ek.lint_batch(model)]
-        except ek.ModelError as exc:  # e.g. it fails outright at another batch size
+            problems = [str(i) for i in passes.lint_batch(model)]
+        except ModelError as exc:  # e.g. it fails outright at another batch size
             problems = [str(exc)]
         info["batch_lint"] = {"passed": not problems, "issues": problems}
     lines = [f"wrote {out} (opset {model.opset})"]
@@ -233,11 +231,11 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         lines += [f"    {c}" for c in st.get("changes", [])]
         lines += [f"    NOT PROVEN: {u}" for u in st.get("unproven", [])]
     lines += [
-        f"inputs   {_format_specs(info['inputs'])}",
-        f"outputs  {_format_specs(info['outputs'])}",
+        f"inputs   {format_specs(info['inputs'])}",
+        f"outputs  {format_specs(info['outputs'])}",
     ]
     if "batch_lint" in info:
         lint = info["batch_lint"]
         lines.append("batch lint " + ("ok" if lint["passed"] else "; ".join(lint["issues"])))
-    _emit(args, info, "\n".join(lines))
+    emit(args, info, "\n".join(lines))
     return EXIT_OK

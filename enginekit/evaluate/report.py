@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from enginekit.bench import BenchResult
-    from enginekit.compare import CompareReport
+    from enginekit.evaluate.bench import BenchResult
+    from enginekit.evaluate.compare import CompareReport
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

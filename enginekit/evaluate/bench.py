@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from enginekit import __version__
 from enginekit.engine import Engine
 from enginekit.errors import EnginekitError, UsageError
-from enginekit.machine import host_info, peak_rss_mb, reset_peak_rss, versions
+from enginekit.evaluate.machine import host_info, peak_rss_mb, reset_peak_rss, versions
 from enginekit.model import concrete_shapes, random_feeds
+from enginekit.version import __version__
 
 #: Relative spread of round throughputs, (max - min) / median, above which a result is unstable.
 UNSTABLE_SPREAD = 0.10
@@ -140,7 +140,7 @@ class BenchResult:
 
     def table(self) -> str:
         """A fixed-width table for the terminal."""
-        from enginekit.report import bench_table
+        from enginekit.evaluate.report import bench_table
 
         return bench_table([self])
 
@@ -391,7 +391,7 @@ def bench_many(
             if isinstance(e, Engine):
                 opened.append(e)
             else:
-                from enginekit.build import load
+                from enginekit.backends import load
 
                 opened.append(load(e))
                 owned.append(opened[-1])
@@ -531,7 +531,7 @@ def _result(engine: Engine, job: _Job, unstable_spread: float) -> BatchResult:
 
 def plot(results: Sequence[BenchResult], path: str | os.PathLike) -> Path:
     """Write a PNG of throughput and p99 latency vs batch size, one line per engine
-    (see :func:`enginekit.plot.bench_plot`)."""
-    from enginekit.plot import bench_plot
+    (see :func:`enginekit.evaluate.plot.bench_plot`)."""
+    from enginekit.evaluate.plot import bench_plot
 
     return bench_plot(results, path)

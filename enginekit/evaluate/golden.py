@@ -13,16 +13,17 @@ import datetime
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from enginekit import __version__, target
+from enginekit import target
 from enginekit.errors import UsageError
+from enginekit.files import atomic_write
 from enginekit.model import Model
+from enginekit.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +66,8 @@ def save_golden(path: str | os.PathLike, golden: Golden, model: Model | None = N
             arrays[f"in_{c}_{i}"] = np.asarray(feeds[n])
         for j, n in enumerate(out_names):
             arrays[f"out_{c}_{j}"] = np.asarray(outs[n])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", suffix=".npz", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, **arrays)  # type: ignore[arg-type]
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path, suffix=".npz") as f:
+        np.savez_compressed(f, **arrays)  # type: ignore[arg-type]
     return path
 
 

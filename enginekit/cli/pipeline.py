@@ -1,10 +1,6 @@
-"""Command-line parts of CI pipelines: ``build -c``, ``validate``, ``cache``, ``export-triton``.
-
-Registered from :mod:`enginekit.cli`. Exit codes of ``enginekit build -c``: 0 every entry built
-and every gate passed; 1 an entry could not be built (with ``--strict`` also: its backend is
-unavailable here); 2 the build file or baseline is invalid, or bad usage; 3 a gate failed or an
-engine failed its build-time verification.
-"""
+"""The commands around CI pipelines besides ``build -c``: ``validate`` (a build file),
+``cache`` (the artifact cache of ``build -c``) and ``export-triton`` (a Triton model repository
+entry)."""
 
 from __future__ import annotations
 
@@ -14,143 +10,14 @@ import os
 import sys
 from typing import Any
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_GATE = 0, 1, 2, 3
-
-
-def _github() -> bool:
-    return os.environ.get("GITHUB_ACTIONS") == "true"
-
-
-def _annotate(level: str, message: str, file: str | None = None, line: int | None = None) -> None:
-    """A GitHub Actions workflow command, so the problem shows on the file in the PR."""
-    where = ",".join(
-        p for p in (f"file={file}" if file else "", f"line={line}" if line else "") if p
-    )
-    text = message.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
-    print(f"::{level} {where}::{text}" if where else f"::{level}::{text}")
-
-
-def _config_errors(exc: Any) -> int:
-    for issue in exc.issues:
-        print(issue.format(exc.path), file=sys.stderr)
-        if _github():
-            _annotate("error", issue.message, str(exc.path), issue.line)
-    return EXIT_USAGE
-
-
-# -- build -c ------------------------------------------------------------------------------------
-
-
-def add_build_flags(p: argparse.ArgumentParser) -> None:
-    """The ``-c`` flags of ``enginekit build``."""
-    p.add_argument(
-        "-c",
-        "--config",
-        metavar="TOML",
-        help="build every entry of a build file (enginekit.toml) into -o DIR (default dist/); "
-        "the model argument is then not given",
-    )
-    g = p.add_argument_group("with -c/--config")
-    g.add_argument(
-        "--cache",
-        default=os.environ.get("ENGINEKIT_CACHE"),
-        metavar="DIR",
-        help="artifact cache folder, shared safely between jobs (default $ENGINEKIT_CACHE; "
-        "none: build everything)",
-    )
-    g.add_argument(
-        "--baseline",
-        metavar="REPORT",
-        help="a previous report.json to gate throughput regressions against (missing file: "
-        "not compared)",
-    )
-    g.add_argument(
-        "-j", "--jobs", type=int, default=1, help="entries built at once, in separate processes"
-    )
-    g.add_argument(
-        "--strict",
-        action="store_true",
-        help="fail (exit 1) on entries whose backend is unavailable here instead of skipping "
-        "them; build-file warnings become errors",
-    )
-    g.add_argument("--no-bench", action="store_true", help="skip the throughput measurement")
-
-
-_SINGLE_BUILD_DEFAULTS = {
-    "backend": "onnxruntime",
-    "precision": "fp32",
-    "device": "cpu",
-    "shapes": [],
-    "option": [],
-    "no_verify": False,
-    "atol": None,
-    "rtol": None,
-    "timing_cache": None,
-    "workspace": None,
-    "precisions": None,
-    "objective": None,
-    "bench_duration": None,
-    "candidate": None,
-    "no_simplify": False,
-    "outputs": None,
-    "calibration": None,
-    "calib_data": None,
-    "calib_method": "entropy",
-    "verify_data": None,
-    "min_top1_agreement": None,
-    "max_abs_error": None,
-    "allow_table_mismatch": False,
-}
-
-
-def cmd_build_config(args: argparse.Namespace) -> int:
-    """``enginekit build -c enginekit.toml``: the whole matrix, report and gates."""
-    from enginekit.errors import UsageError
-    from enginekit.pipeline.config import ConfigError
-    from enginekit.pipeline.runner import run
-
-    if args.model:
-        raise UsageError("give a model or -c/--config, not both")
-    given = [
-        "--" + k.replace("_", "-")
-        for k, default in _SINGLE_BUILD_DEFAULTS.items()
-        if getattr(args, k, default) not in (default, None, False, [])
-    ]
-    if given:
-        raise UsageError(
-            f"{', '.join(given)} set(s) a single build; with -c put them in the build file's "
-            "[[engine]] tables"
-        )
-    if args.jobs < 1:
-        raise UsageError(f"--jobs {args.jobs}: expected >= 1")
-    try:
-        report = run(
-            args.config,
-            out=args.output or "dist",
-            cache=args.cache,
-            baseline=args.baseline,
-            jobs=args.jobs,
-            strict=args.strict,
-            bench=not args.no_bench,
-        )
-    except ConfigError as exc:
-        return _config_errors(exc)
-    from enginekit.pipeline.report import markdown, strict_json
-
-    if args.json:
-        print(json.dumps(strict_json(report), indent=2, default=str))
-    else:
-        print(markdown(report))
-    if _github():
-        for r in report["regressions"]:
-            _annotate("error", r, args.config)
-    return int(report["exit_code"])
-
+from enginekit.cli.common import EXIT_OK, EXIT_USAGE, annotate, config_errors, github
+from enginekit.errors import UsageError
 
 # -- validate ------------------------------------------------------------------------------------
 
 
 def add_validate(sub: Any) -> None:
+    """Register ``enginekit validate``."""
     p = sub.add_parser("validate", help="check a build file (enginekit.toml) without building")
     p.add_argument("-c", "--config", default="enginekit.toml", metavar="TOML")
     p.add_argument(
@@ -176,15 +43,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(
                 json.dumps({"valid": False, "issues": [i.to_json() for i in exc.issues]}, indent=2)
             )
-            if _github():
+            if github():
                 for i in exc.issues:
-                    _annotate("error", i.message, str(exc.path), i.line)
+                    annotate("error", i.message, str(exc.path), i.line)
             return EXIT_USAGE
-        return _config_errors(exc)
+        return config_errors(exc)
     for w in cfg.warnings:
         print("warning: " + w.format(cfg.path), file=sys.stderr)
-        if _github():
-            _annotate("warning", w.message, str(cfg.path), w.line)
+        if github():
+            annotate("warning", w.message, str(cfg.path), w.line)
     if args.json:
         data = {
             "valid": True,
@@ -203,6 +70,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def add_cache(sub: Any) -> None:
+    """Register ``enginekit cache info`` and ``enginekit cache prune``."""
     p = sub.add_parser("cache", help="inspect or prune the artifact cache of build -c")
     csub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
     for name, helptext in (
@@ -235,7 +103,7 @@ def _size(n: float) -> str:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from enginekit.errors import UsageError
+    """``info``: what the cache holds; ``prune``: remove least recently used entries."""
     from enginekit.pipeline.cache import Cache, parse_age, parse_size
 
     if not args.cache:
@@ -280,6 +148,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def add_export_triton(sub: Any) -> None:
+    """Register ``enginekit export-triton``."""
     p = sub.add_parser(
         "export-triton", help="write a Triton Inference Server model repository entry"
     )
@@ -297,6 +166,7 @@ def add_export_triton(sub: Any) -> None:
 
 
 def cmd_export_triton(args: argparse.Namespace) -> int:
+    """Write the model repository entry; print its files and notes."""
     from enginekit.pipeline.triton import export_triton
 
     result = export_triton(

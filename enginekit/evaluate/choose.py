@@ -22,11 +22,14 @@ from typing import Any, NoReturn
 
 from enginekit import backends as registry
 from enginekit.artifact import write_artifact
-from enginekit.bench import BatchResult, bench_many, max_batch
-from enginekit.candidates import Candidate, as_candidate, skip_reason
-from enginekit.config import BuildConfig, ShapesArg, normalize_shapes
+from enginekit.backends import load
+from enginekit.build import Request, build
+from enginekit.calibration.plan import Quantization
+from enginekit.config import BuildConfig
 from enginekit.engine import Engine
 from enginekit.errors import BuildError, EnginekitError, UsageError, VerificationError
+from enginekit.evaluate.bench import BatchResult, bench_many, max_batch
+from enginekit.evaluate.candidates import Candidate, as_candidate, skip_reason
 from enginekit.model import Model, ModelSource, load_model
 from enginekit.verify import summarize, verify_engine
 
@@ -126,8 +129,6 @@ def _build_one(
     base: BuildConfig,
     out_dir: Path,
 ) -> tuple[Engine | None, dict[str, Any]]:
-    from enginekit.build import build
-
     config = BuildConfig(
         backend=cand.backend,
         profiles=base.profiles,
@@ -164,64 +165,57 @@ def _build_one(
     return engine, record
 
 
-def build_auto(
-    model: ModelSource,
-    shapes: ShapesArg = None,
-    precision: str = "fp32",
-    output: str | os.PathLike | None = None,
-    device: str = "cpu",
-    verify: bool = True,
-    atol: float | None = None,
-    rtol: float | None = None,
-    config: BuildConfig | None = None,
-    *,
-    candidates: Sequence[Any] | None = None,
-    precisions: Sequence[str] | None = None,
-    objective: str = "latency",
-    bench_duration: float = 1.0,
-    bench_rounds: int = 3,
-    **options: Any,
-) -> Engine:
+def build_auto(model: ModelSource, request: Request) -> Engine:
     """Build every candidate, verify and bench each, write and return the best one.
 
-    ``enginekit.build(model, backend="auto", ...)`` lands here; the arguments are build's, plus:
+    ``enginekit.build(model, backend="auto", ...)`` lands here with build's arguments as a
+    :class:`~enginekit.build.Request`; these options of ``request.config`` are auto's own:
 
     Args:
         candidates: what to try: backend names, ``(backend, options[, precision])`` tuples or
             :class:`Candidate` objects (default: every registered backend, at each precision).
-        precisions: precisions to try each default candidate at (default: ``[precision]``).
+        precisions: precisions to try each default candidate at (default: the config's).
         objective: ``latency`` (p50 at the opt shape; default) or ``throughput`` (samples/s at
             the largest profile batch).
         bench_duration: timed seconds per candidate, shared across ``bench_rounds`` rounds.
-        **options: backend options, given to each default candidate whose backend knows them.
+        bench_rounds: timed rounds (default 3).
+
+    Every other option goes to each default candidate whose backend knows it.
 
     Raises:
-        UsageError: verify=False (auto verifies every candidate), a bad objective.
+        UsageError: verify off (auto verifies every candidate), a bad objective.
+        BuildError: int8 calibration or subgraph arguments (they apply to one backend), or no
+            candidate could be built here.
         VerificationError: every candidate that built failed verification.
-        BuildError: no candidate could be built here.
     """
-    if config is not None:
-        shapes, precision, device = config.profiles, config.precision.value, config.device
-        verify, atol, rtol = config.verify, config.atol, config.rtol
-        options = {**config.options, **options}
-    if not verify:
+    config = request.config
+    if request.quant != Quantization():
+        raise BuildError(
+            "calibration, calib_data, verify_data and the accuracy gates apply to one "
+            "backend's int8 build; name the backend instead of 'auto'"
+        )
+    if config.outputs or not config.simplify:
+        raise BuildError(
+            "simplify=False and outputs= apply to one backend's build; name the backend "
+            "instead of 'auto'"
+        )
+    if not config.verify:
         raise UsageError("--backend auto verifies every candidate; it cannot run with verify off")
+    options = dict(config.options)
+    candidates: Sequence[Any] | None = options.pop("candidates", None)
+    precisions: Sequence[str] | None = options.pop("precisions", None)
+    objective: str = options.pop("objective", "latency")
+    bench_duration: float = options.pop("bench_duration", 1.0)
+    bench_rounds: int = options.pop("bench_rounds", 3)
     if objective not in OBJECTIVES:
         raise UsageError(f"objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
     loaded = load_model(model)
-    base = BuildConfig(
-        backend="auto",
-        profiles=normalize_shapes(shapes),
-        precision=precision,  # type: ignore[arg-type]
-        device=device,
-        atol=atol,
-        rtol=rtol,
-        seed=config.seed if config is not None else 0,
-    )
+    base = dataclasses.replace(config, options={})
+    output = request.output
     todo: list[tuple[Candidate, list[str]]] = (
         [(as_candidate(c), []) for c in candidates]
         if candidates
-        else default_candidates(list(precisions or [precision]), options)
+        else default_candidates(list(precisions or [config.precision.value]), options)
     )
     root = Path(tempfile.mkdtemp(prefix="enginekit-auto-"))
     built: list[tuple[Engine, dict[str, Any], Path]] = []
@@ -295,8 +289,6 @@ def _choose(
         written = write_artifact(output, manifest, winner_dir / "payload", files)
         winner.close()
         shutil.rmtree(root, ignore_errors=True)
-        from enginekit.build import load
-
         return load(written)
     winner.manifest = manifest
     # The engine may map payload files (native libraries): keep them until it is gone.

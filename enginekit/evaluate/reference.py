@@ -116,7 +116,7 @@ def resolve_reference(
     device: str = "cpu",
     profiles: Sequence[Mapping[str, ShapeProfile]] = (),
 ) -> Reference:
-    """The Reference meant by ``reference`` (see :func:`enginekit.compare`).
+    """The Reference meant by ``reference`` (see :func:`enginekit.evaluate.compare`).
 
     Raises:
         UsageError: no model to run the default or a backend reference on; not a reference.

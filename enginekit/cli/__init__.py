@@ -1,0 +1,83 @@
+"""The ``enginekit`` command line: build, run, inspect, backends, compare, bench, validate, cache,
+export-triton, export, prepare, calibrate.
+
+One module per command group (``build``; ``run``; ``inspect`` and ``backends``; ``compare`` and
+``bench`` in :mod:`~enginekit.cli.evaluate`; ``export`` and ``prepare``; ``calibrate``; the
+pipeline commands), each registering its commands with a function listed in :data:`COMMANDS`;
+what they share (exit codes, ``--json``, ``-O``, inputs, shapes) is :mod:`enginekit.cli.common`.
+
+Exit codes: 0 ok, 1 failure (a typed enginekit error), 2 usage error (with ``build -c``: an
+invalid build file or baseline), 3 verification failed (with ``build -c``: a gate failed —
+accuracy, top-1 agreement, throughput regression — or an engine failed verification).
+Every command that prints a result takes ``--json`` for machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from enginekit.cli import build, calibrate, evaluate, export, inspect, pipeline, run
+from enginekit.cli.common import EXIT_FAILURE, EXIT_USAGE, EXIT_VERIFY
+from enginekit.errors import EnginekitError, UsageError, VerificationError
+from enginekit.version import __version__
+
+#: Subcommand registrars, in the order ``enginekit --help`` lists the commands; a new command
+#: group adds its module's registrars here.
+COMMANDS: list[Callable[[Any], None]] = [
+    build.add,
+    run.add,
+    inspect.add_inspect,
+    inspect.add_backends,
+    evaluate.add_compare,
+    evaluate.add_bench,
+    pipeline.add_validate,
+    pipeline.add_cache,
+    pipeline.add_export_triton,
+    export.add_export,
+    export.add_prepare,
+    calibrate.add,
+]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``enginekit`` command."""
+    p = argparse.ArgumentParser(
+        prog="enginekit",
+        description="Turn trained models into fast, verified inference engines.",
+        epilog="exit codes: 0 ok, 1 failure, 2 usage error (or invalid build file), 3 "
+        "verification or a build -c gate failed",
+    )
+    p.add_argument("--version", action="version", version=f"enginekit {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``enginekit`` console script; returns the exit code."""
+    args = parser().parse_args(argv)
+    level = (
+        logging.WARNING
+        if args.verbose == 0
+        else logging.INFO
+        if args.verbose == 1
+        else logging.DEBUG
+    )
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        print(f"enginekit {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except VerificationError as exc:
+        print(f"enginekit {args.command}: verification failed: {exc}", file=sys.stderr)
+        return EXIT_VERIFY
+    except EnginekitError as exc:
+        print(f"enginekit {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE

@@ -1,0 +1,402 @@
+"""``enginekit build``: one backend, ``--backend auto`` (every candidate, keep the best), or a
+whole build file with ``-c enginekit.toml``.
+
+Exit codes of ``build -c``: 0 every entry built and every gate passed; 1 an entry could not be
+built (with ``--strict`` also: its backend is unavailable here); 2 the build file or baseline is
+invalid, or bad usage; 3 a gate failed or an engine failed its build-time verification.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from enginekit.cli.common import (
+    EXIT_OK,
+    add_candidate,
+    add_shapes,
+    annotate,
+    config_errors,
+    emit,
+    github,
+    max_abs,
+    names,
+    parse_candidate,
+    parse_option,
+    shapes,
+)
+from enginekit.errors import UsageError
+
+
+def add(sub: Any) -> None:
+    """Register ``enginekit build`` with all its flag groups."""
+    p = sub.add_parser("build", help="build an engine artifact from an ONNX model")
+    p.add_argument("model", nargs="?", help="ONNX model file (not with -c)")
+    p.add_argument("--backend", default="onnxruntime", help="backend name (default onnxruntime)")
+    add_shapes(
+        p,
+        "trtexec syntax: name:AxB (fixed) or name:min,opt,max; several inputs separated by "
+        "spaces or repeated flags; naming an input again adds a profile",
+    )
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "int8"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument(
+        "-o",
+        "--output",
+        "--out",
+        help="artifact path (.ekit, or dir/ for a directory); with -c the output folder",
+    )
+    p.add_argument("--no-verify", action="store_true", help="skip build-time verification")
+    p.add_argument("--atol", type=float, help="verification absolute tolerance")
+    p.add_argument("--rtol", type=float, help="verification relative tolerance")
+    p.add_argument(
+        "-O",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="backend option (value parsed as JSON when it is JSON); see `enginekit backends --json`",
+    )
+    p.add_argument(
+        "--no-simplify",
+        action="store_true",
+        help="skip graph simplification (constant folding, dead nodes, shape inference)",
+    )
+    p.add_argument(
+        "--outputs",
+        metavar="A,B",
+        help="build only the subgraph computing these tensors (intermediate ones too), to debug",
+    )
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    _add_tensorrt_flags(p)
+    _add_tvm_flags(p)
+    _add_auto_flags(p)
+    _add_config_flags(p)
+    _add_int8_flags(p)
+    p.set_defaults(func=cmd_build)
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    """``enginekit build``: one backend, auto, or ``-c`` (each prints what it built)."""
+    if args.config:
+        return _cmd_build_config(args)
+    if not args.model or not args.output:
+        raise UsageError("build needs a model and -o OUTPUT (or -c enginekit.toml)")
+    options = dict(parse_option(o) for o in args.option)
+    options.update(backend_flag_options(args))
+    options.update(_tvm_options(args))
+    if _auto_requested(args) and (args.no_simplify or args.outputs):
+        raise UsageError("--no-simplify and --outputs apply to one backend; name it, not auto")
+    if _auto_requested(args) and _calibration_requested(args):
+        raise UsageError("the int8 calibration flags apply to one backend; name it, not auto")
+    if _auto_requested(args):
+        return _cmd_build_auto(args, options)
+    from enginekit.build import build
+
+    engine = build(
+        args.model,
+        backend=args.backend,
+        shapes=shapes(args),
+        precision=args.precision,
+        output=args.output,
+        device=args.device,
+        verify=not args.no_verify,
+        atol=args.atol,
+        rtol=args.rtol,
+        simplify=not args.no_simplify,
+        outputs=[o for o in (args.outputs or "").split(",") if o],
+        **_calibration_kwargs(args),
+        **options,
+    )
+    m = engine.manifest
+    engine.close()
+    verify = m.get("verify") or {}
+    if verify.get("kind") == "accuracy":
+        emit(args, m, _accuracy_text(args.output, m))
+        return EXIT_OK
+    text = (
+        f"built {args.output}: {m['backend']['name']} {m['backend']['version']}, "
+        f"{m['precision']}, {m['build']['build_s']:.2f} s\n"
+        + (
+            f"verified against ONNX Runtime CPU: max abs error {max_abs(verify):.3g} "
+            f"(atol {verify['atol']}, rtol {verify['rtol']})"
+            if verify
+            else "not verified (--no-verify)"
+        )
+    )
+    emit(args, m, text)
+    return EXIT_OK
+
+
+# -- backend shorthands --------------------------------------------------------------------------
+
+
+def _add_tensorrt_flags(p: argparse.ArgumentParser) -> None:
+    """Shorthands for TensorRT backend options (each is also -O name=value)."""
+    p.add_argument(
+        "--timing-cache",
+        metavar="PATH",
+        help="tensorrt: timing cache file or directory, loaded and saved back (per GPU/version)",
+    )
+    p.add_argument("--workspace", metavar="SIZE", help="tensorrt: workspace limit, e.g. 4GiB")
+
+
+def backend_flag_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Backend options given as their own flags (``--timing-cache``, ``--workspace``)."""
+    flags = {"timing_cache": args.timing_cache, "workspace": args.workspace}
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+def _add_tvm_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tvm backend (shorthands for -O options)")
+    g.add_argument("--layout", choices=["NHWC", "NCHW"], help="conv layout (default NHWC on CPU)")
+    g.add_argument("--target", help="TVM target: JSON dict, 'llvm' (portable) or 'cuda'")
+    g.add_argument("--tune-trials", type=int, help="MetaSchedule trials per tuned batch size")
+    g.add_argument(
+        "--tune-batch", type=int, action="append", help="batch size to tune (repeatable)"
+    )
+    g.add_argument("--tuning-db", help="tuning database directory to keep and reuse")
+
+
+def _tvm_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The --layout/--target/--tune-*/--tuning-db flags as backend options."""
+    out: dict[str, Any] = {}
+    if args.layout:
+        out["layout"] = args.layout
+    if args.target:
+        out["target"] = parse_option(f"target={args.target}")[1]
+    if args.tune_trials is not None:
+        out["tune"] = {"trials": args.tune_trials} | (
+            {"batch_sizes": args.tune_batch} if args.tune_batch else {}
+        )
+    elif args.tune_batch:
+        raise UsageError("--tune-batch needs --tune-trials N")
+    if args.tuning_db:
+        out["tuning_db"] = args.tuning_db
+    return out
+
+
+# -- --backend auto ------------------------------------------------------------------------------
+
+
+def _add_auto_flags(p: argparse.ArgumentParser) -> None:
+    """The ``build`` flags that only ``--backend auto`` uses."""
+    g = p.add_argument_group(
+        "--backend auto", "build every candidate, verify, bench, keep the best"
+    )
+    g.add_argument(
+        "--precisions",
+        default=None,
+        help="precisions to try, e.g. fp32,int8 (default: --precision)",
+    )
+    g.add_argument(
+        "--objective",
+        default=None,
+        choices=["latency", "throughput"],
+        help="latency: p50 at the opt shape (default); throughput: samples/s at the max batch",
+    )
+    g.add_argument(
+        "--bench-duration", type=float, default=None, help="timed seconds per candidate (default 1)"
+    )
+    add_candidate(g)
+
+
+def _auto_requested(args: argparse.Namespace) -> bool:
+    """Whether to build with auto; auto-only flags without ``--backend auto`` are a usage error."""
+    if args.backend == "auto":
+        return True
+    given = [f for f, v in (("--precisions", args.precisions), ("--objective", args.objective),
+             ("--bench-duration", args.bench_duration), ("--candidate", args.candidate)) if v]  # fmt: skip
+    if given:
+        raise UsageError(f"{', '.join(given)} only apply with --backend auto")
+    return False
+
+
+def _cmd_build_auto(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    """``enginekit build --backend auto``: prints every candidate's result and the winner."""
+    from enginekit.build import build
+    from enginekit.evaluate.report import auto_table
+
+    if args.no_verify:
+        raise UsageError("--backend auto verifies every candidate; drop --no-verify")
+    if args.bench_duration is not None and not args.bench_duration > 0:
+        raise UsageError(f"--bench-duration must be > 0 seconds, got {args.bench_duration}")
+    extra: dict[str, Any] = {}
+    if args.precisions:
+        extra["precisions"] = names(args.precisions)
+    if args.candidate:
+        extra["candidates"] = [parse_candidate(t) for t in args.candidate]
+    if args.objective:
+        extra["objective"] = args.objective
+    if args.bench_duration is not None:
+        extra["bench_duration"] = args.bench_duration
+    engine = build(
+        args.model,
+        backend="auto",
+        shapes=shapes(args),
+        precision=args.precision,
+        output=args.output,
+        device=args.device,
+        atol=args.atol,
+        rtol=args.rtol,
+        **extra,
+        **options,
+    )
+    m = engine.manifest
+    engine.close()
+    text = f"{auto_table(m['auto'])}\nbuilt {args.output}: {m['backend']['name']} {m['backend']['version']}, {m['precision']}"
+    print(json.dumps(m, indent=2, default=str) if args.json else text)
+    return EXIT_OK
+
+
+# -- -c enginekit.toml ---------------------------------------------------------------------------
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    """The ``-c`` flags of ``enginekit build``."""
+    p.add_argument(
+        "-c",
+        "--config",
+        metavar="TOML",
+        help="build every entry of a build file (enginekit.toml) into -o DIR (default dist/); "
+        "the model argument is then not given",
+    )
+    g = p.add_argument_group("with -c/--config")
+    g.add_argument(
+        "--cache",
+        default=os.environ.get("ENGINEKIT_CACHE"),
+        metavar="DIR",
+        help="artifact cache folder, shared safely between jobs (default $ENGINEKIT_CACHE; "
+        "none: build everything)",
+    )
+    g.add_argument(
+        "--baseline",
+        metavar="REPORT",
+        help="a previous report.json to gate throughput regressions against (missing file: "
+        "not compared)",
+    )
+    g.add_argument(
+        "-j", "--jobs", type=int, default=1, help="entries built at once, in separate processes"
+    )
+    g.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail (exit 1) on entries whose backend is unavailable here instead of skipping "
+        "them; build-file warnings become errors",
+    )
+    g.add_argument("--no-bench", action="store_true", help="skip the throughput measurement")
+
+
+#: The single-build flags at their defaults: any other value is a usage error with -c.
+_SINGLE_BUILD_DEFAULTS = {
+    "backend": "onnxruntime",
+    "precision": "fp32",
+    "device": "cpu",
+    "shapes": [],
+    "option": [],
+    "no_verify": False,
+    "atol": None,
+    "rtol": None,
+    "timing_cache": None,
+    "workspace": None,
+    "precisions": None,
+    "objective": None,
+    "bench_duration": None,
+    "candidate": None,
+    "no_simplify": False,
+    "outputs": None,
+    "calibration": None,
+    "calib_data": None,
+    "calib_method": "entropy",
+    "verify_data": None,
+    "min_top1_agreement": None,
+    "max_abs_error": None,
+    "allow_table_mismatch": False,
+}
+
+
+def _cmd_build_config(args: argparse.Namespace) -> int:
+    """``enginekit build -c enginekit.toml``: the whole matrix, report and gates."""
+    from enginekit.pipeline.config import ConfigError
+    from enginekit.pipeline.report import markdown, strict_json
+    from enginekit.pipeline.runner import run
+
+    if args.model:
+        raise UsageError("give a model or -c/--config, not both")
+    given = [
+        "--" + k.replace("_", "-")
+        for k, default in _SINGLE_BUILD_DEFAULTS.items()
+        if getattr(args, k, default) not in (default, None, False, [])
+    ]
+    if given:
+        raise UsageError(
+            f"{', '.join(given)} set(s) a single build; with -c put them in the build file's "
+            "[[engine]] tables"
+        )
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: expected >= 1")
+    try:
+        report = run(
+            args.config,
+            out=args.output or "dist",
+            cache=args.cache,
+            baseline=args.baseline,
+            jobs=args.jobs,
+            strict=args.strict,
+            bench=not args.no_bench,
+        )
+    except ConfigError as exc:
+        return config_errors(exc)
+    if args.json:
+        print(json.dumps(strict_json(report), indent=2, default=str))
+    else:
+        print(markdown(report))
+    if github():
+        for r in report["regressions"]:
+            annotate("error", r, args.config)
+    return int(report["exit_code"])
+
+
+# -- int8 ----------------------------------------------------------------------------------------
+
+
+def _add_int8_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("int8")
+    g.add_argument("--calibration", metavar="CALIB.json", help="calibration table")
+    g.add_argument("--calib-data", metavar="DATA", help="calibrate on this data (.npz/.npy/dir)")
+    g.add_argument("--calib-method", default="entropy", choices=["entropy", "percentile", "minmax"])
+    g.add_argument("--verify-data", metavar="DATA", help="verify the engine on this data")
+    g.add_argument("--min-top1-agreement", type=float, help="gate, e.g. 0.99")
+    g.add_argument("--max-abs-error", type=float, help="gate on any output element")
+    g.add_argument(
+        "--allow-table-mismatch", action="store_true",
+        help="accept a calibration table made for another model hash",
+    )  # fmt: skip
+
+
+def _calibration_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("calibration", "calib_data", "verify_data", "min_top1_agreement", "max_abs_error")
+    kwargs: dict[str, Any] = {k: getattr(args, k) for k in keys}
+    kwargs["calib_method"] = args.calib_method
+    kwargs["allow_table_mismatch"] = args.allow_table_mismatch
+    return kwargs
+
+
+def _calibration_requested(args: argparse.Namespace) -> bool:
+    kwargs = _calibration_kwargs(args)
+    return any(kwargs[k] not in (None, False) for k in kwargs if k != "calib_method")
+
+
+def _accuracy_text(output: str, m: dict[str, Any]) -> str:
+    from enginekit.calibration.accuracy import summarize
+
+    v = m["verify"]
+    cal = m.get("calibration") or {}
+    how = f"{cal['method']} table {cal['sha256'][:12]}…" if "sha256" in cal else cal.get("source")
+    return (
+        f"built {output}: {m['backend']['name']} {m['backend']['version']}, {m['precision']} "
+        f"({how}), {m['build']['build_s']:.2f} s\n"
+        f"verified against float32 on {v['data']} ({v['samples']} samples): {summarize(v)}"
+    )
