@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import tempfile
+
 import numpy as np
 import pytest
 from models import CASES
@@ -82,3 +86,40 @@ def test_build_key_changes_with_inputs_only(mlp_path, onnx_model):
     c = ek.build(mlp_path, shapes={"x": [(1, 16), (8, 16), (32, 16)]}).manifest["build_key"]
     d = ek.build(onnx_model("cnn")).manifest["build_key"]
     assert a == b and len({a, c, d}) == 3
+
+
+def test_options_given_with_a_config_are_added_to_its_options(mlp_path):
+    config = ek.BuildConfig(profiles=ek.parse_shapes("x:1x16,8x16,64x16"))
+    engine = ek.build(mlp_path, config=config, optimization_level="extended")
+    assert engine.manifest["config"]["options"] == {"optimization_level": "extended"}
+    with pytest.raises(ek.BuildError, match="no option\\(s\\) 'layout'"):
+        ek.build(mlp_path, config=config, layout="NHWC")
+
+
+def test_a_registered_strategy_takes_over_the_build(mlp_path, tmp_path, monkeypatch):
+    stages = importlib.import_module("enginekit.build")
+    seen = []
+
+    def first_backend(model, request):
+        seen.append(request)
+        config = dataclasses.replace(request.config, backend="onnxruntime")
+        return ek.build(model, config=config, output=request.output)
+
+    monkeypatch.setitem(stages.STRATEGIES, "first", first_backend)
+    out = tmp_path / "m.ekit"
+    engine = ek.build(mlp_path, backend="first", output=out, optimization_level="extended")
+    (request,) = seen
+    assert request.config.backend == "first" and request.output == out
+    assert request.config.options == {"optimization_level": "extended"}
+    assert engine.manifest["backend"]["name"] == "onnxruntime" and out.is_file()
+    assert (
+        stages.STRATEGIES["auto"] is importlib.import_module("enginekit.evaluate.choose").build_auto
+    )
+
+
+def test_a_failed_verification_removes_the_build_workdir(onnx_model, tmp_path, monkeypatch):
+    monkeypatch.setitem(backends._BUILTIN, "broken", "broken_backend")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ek.VerificationError):
+        ek.build(onnx_model("mlp"), backend="broken", shapes=CASES["mlp"].shapes)
+    assert list(tmp_path.iterdir()) == []

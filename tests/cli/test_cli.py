@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import reference
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 
 
 def cli(*args: str, cwd: Path | None = None, prelude: str = "") -> subprocess.CompletedProcess[str]:
