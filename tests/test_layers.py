@@ -156,9 +156,7 @@ def layer_of(module: str, rows: list[list[str]]) -> tuple[int, str] | None:
     best: tuple[int, str] | None = None
     for depth, row in enumerate(reversed(rows)):
         for entry in row:
-            covers = module == entry or (
-                "." in entry and module.startswith(entry + ".")
-            )
+            covers = module == entry or ("." in entry and module.startswith(entry + "."))
             if covers and (best is None or len(entry) > len(best[1])):
                 best = (depth, entry)
     return best
