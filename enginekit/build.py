@@ -192,7 +192,8 @@ def build(
     if config.backend in STRATEGIES:
         return STRATEGIES[config.backend](model, request)
     checked = _load_and_check(model, request)
-    graph = _prepare_graph(checked, _quantize(checked, request), config)
+    quantized = _quantize(checked, request)
+    graph = _prepare_graph(checked, quantized, config)
     workdir = Path(tempfile.mkdtemp(prefix="enginekit-build-"))
     try:
         compiled = _compile(checked, graph, config, workdir)

@@ -147,6 +147,18 @@ def shapes(args: argparse.Namespace) -> Any:
 # -- input files ---------------------------------------------------------------------------------
 
 
+def add_inputs(p: argparse.ArgumentParser, help: str) -> None:
+    """``--input/-i NAME=FILE.npy | FILE.npz``, repeatable; read with :func:`load_inputs`."""
+    p.add_argument(
+        "--input",
+        "-i",
+        action="append",
+        default=[],
+        metavar="NAME=FILE.npy|FILE.npz",
+        help=help,
+    )
+
+
 def load_inputs(specs: Sequence[str]) -> dict[str, np.ndarray]:
     """Inputs from ``name=file.npy`` and ``file.npz`` (one key per input) arguments."""
     feeds: dict[str, np.ndarray] = {}

@@ -19,6 +19,7 @@ from enginekit.cli.common import (
     EXIT_OK,
     EXIT_VERIFY,
     add_candidate,
+    add_inputs,
     add_json_report,
     add_shapes,
     check_json_path,
@@ -58,14 +59,7 @@ def add_compare(sub: Any) -> None:
         p,
         "trtexec syntax: name:AxB or name:min,opt,max (several inputs separated by spaces)",
     )
-    p.add_argument(
-        "--input",
-        "-i",
-        action="append",
-        default=[],
-        metavar="NAME=FILE.npy|FILE.npz",
-        help="inputs to use instead of random ones",
-    )
+    add_inputs(p, "inputs to use instead of random ones")
     p.add_argument(
         "--golden", metavar="FILE.npz", help="inputs and reference outputs from a golden file"
     )
@@ -176,14 +170,7 @@ def add_bench(sub: Any) -> None:
         default=0.10,
         help="round spread that flags a result unstable",
     )
-    p.add_argument(
-        "--input",
-        "-i",
-        action="append",
-        default=[],
-        metavar="NAME=FILE.npy|FILE.npz",
-        help="inputs to tile to each batch size instead of random ones",
-    )
+    add_inputs(p, "inputs to tile to each batch size instead of random ones")
     p.add_argument(
         "--label",
         action="append",

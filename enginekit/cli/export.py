@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from enginekit.cli.common import EXIT_OK, emit, format_specs, load_inputs
+from enginekit.cli.common import EXIT_OK, add_inputs, emit, format_specs, load_inputs
 from enginekit.errors import UsageError
 from enginekit.files import atomic_path
 
@@ -30,13 +30,8 @@ def add_export(sub: Any) -> None:
         "tf.function, Keras model or torch module (or a function returning one)",
     )
     p.add_argument("-o", "--output", required=True, help="the ONNX file to write")
-    p.add_argument(
-        "--input",
-        "-i",
-        action="append",
-        default=[],
-        metavar="NAME=FILE.npy|FILE.npz",
-        help="example inputs (PyTorch models and TF functions without an input_signature need them)",
+    add_inputs(
+        p, "example inputs (PyTorch models and TF functions without an input_signature need them)"
     )
     p.add_argument("--static-batch", action="store_true", help="keep the batch dim fixed")
     p.add_argument(

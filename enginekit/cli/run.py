@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from enginekit.cli.common import EXIT_OK, emit, load_inputs, save_npz
+from enginekit.cli.common import EXIT_OK, add_inputs, emit, load_inputs, save_npz
 from enginekit.errors import UsageError
 
 
@@ -16,14 +16,7 @@ def add(sub: Any) -> None:
     """Register ``enginekit run``."""
     p = sub.add_parser("run", help="run an engine artifact on inputs from .npy/.npz files")
     p.add_argument("artifact")
-    p.add_argument(
-        "--input",
-        "-i",
-        action="append",
-        default=[],
-        metavar="NAME=FILE.npy|FILE.npz",
-        help="inputs",
-    )
+    add_inputs(p, "inputs")
     p.add_argument("-o", "--output", help="write outputs to this .npz")
     p.add_argument("--device", help="override the artifact's device")
     p.add_argument("--json", action="store_true")
