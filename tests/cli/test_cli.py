@@ -132,3 +132,13 @@ def test_verification_failure_exits_3_and_writes_nothing(mlp_path, tmp_path):
     r = cli("build", str(mlp_path), "--backend", "broken", "-o", str(out), prelude=prelude)
     assert r.returncode == 3, r.stderr
     assert "verification failed" in r.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("module", ["enginekit", "enginekit.cli"])
+def test_python_dash_m_runs_the_command(module):
+    import enginekit
+
+    r = subprocess.run(
+        [sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0 and r.stdout.strip() == f"enginekit {enginekit.__version__}"
