@@ -30,10 +30,11 @@ from enginekit.errors import (
     UsageError,
     VerificationError,
 )
-from enginekit.evaluate.bench import BenchResult, bench
+from enginekit.evaluate.bench import bench
 from enginekit.evaluate.candidates import Candidate
 from enginekit.evaluate.choose import build_auto
-from enginekit.evaluate.compare import CompareReport, compare
+from enginekit.evaluate.compare import compare
+from enginekit.evaluate.report import BenchResult, CompareReport
 from enginekit.export import export
 from enginekit.model import Model, load_model
 from enginekit.passes import lint_batch, make_batch_dynamic

@@ -28,8 +28,9 @@ from enginekit.calibration.plan import Quantization
 from enginekit.config import BuildConfig
 from enginekit.engine import Engine
 from enginekit.errors import BuildError, EnginekitError, UsageError, VerificationError
-from enginekit.evaluate.bench import BatchResult, bench_many, max_batch
+from enginekit.evaluate.bench import bench_many, max_batch
 from enginekit.evaluate.candidates import Candidate, as_candidate, skip_reason
+from enginekit.evaluate.report import BatchResult
 from enginekit.model import Model, ModelSource, load_model
 from enginekit.verify import summarize, verify_engine
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from enginekit.errors import UsageError
 
 if TYPE_CHECKING:
-    from enginekit.evaluate.bench import BenchResult
+    from enginekit.evaluate.report import BenchResult
 
 
 def bench_plot(results: Sequence[BenchResult], path: str | os.PathLike) -> Path:

@@ -1,13 +1,19 @@
-"""Terminal tables for compare, bench and auto reports (JSON is each report's ``to_json``)."""
+"""What compare, bench and auto report: the result types (JSON through each one's ``to_json``)
+and their terminal tables.
+
+:class:`CompareReport` (with :class:`BackendCheck` and :class:`CaseCheck`) is what
+:func:`enginekit.evaluate.compare.compare` returns; :class:`BenchResult` (with
+:class:`BatchResult` and :class:`Latency`) what :func:`enginekit.evaluate.bench.bench` returns.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from enginekit.evaluate.bench import BenchResult
-    from enginekit.evaluate.compare import CompareReport
+from enginekit.verify import OutputCheck
+from enginekit.version import __version__
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -29,6 +35,133 @@ def num(value: float | None, digits: int = 3) -> str:
 
 def shapes_text(shapes: Mapping[str, Sequence[int]]) -> str:
     return " ".join(f"{k}:{'x'.join(map(str, v)) or 'scalar'}" for k, v in shapes.items())
+
+
+# -- compare ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseCheck:
+    """One input set through one engine: the shapes and every output's check."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    outputs: tuple[OutputCheck, ...] = ()
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and all(o.passed for o in self.outputs)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "shapes": {k: list(v) for k, v in self.shapes.items()},
+            "passed": self.passed,
+            "seconds": round(self.seconds, 6),
+            "outputs": {o.name: o.to_json() for o in self.outputs},
+        }
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendCheck:
+    """One compared entry: ``status`` is passed, failed (past the gate), skipped (cannot run
+    here; ``reason`` says why) or error (failed to build or run; ``reason`` has the error)."""
+
+    label: str
+    backend: str
+    status: str
+    reason: str = ""
+    version: str | None = None
+    precision: str = "fp32"
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    atol: float | None = None
+    rtol: float | None = None
+    build_s: float | None = None
+    cases: tuple[CaseCheck, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def worst(self) -> dict[str, OutputCheck]:
+        """Per output, its check on the input set where its max abs error was largest."""
+        out: dict[str, OutputCheck] = {}
+        for case in self.cases:
+            for o in case.outputs:
+                have = out.get(o.name)
+                if have is None or (have.passed, -have.max_abs) > (o.passed, -o.max_abs):
+                    out[o.name] = o
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "backend": self.backend,
+            "status": self.status,
+            "reason": self.reason,
+            "version": self.version,
+            "precision": self.precision,
+            "options": dict(self.options),
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "build_s": self.build_s,
+            "worst": {k: v.to_json() for k, v in self.worst().items()},
+            "cases": [c.to_json() for c in self.cases],
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareReport:
+    """What :func:`~enginekit.evaluate.compare.compare` returns: every entry's check against one
+    reference.
+
+    ``passed`` is the CI gate: at least one entry ran and none failed or errored (skipped
+    entries do not fail it unless ``require_all`` was given).
+    """
+
+    reference: str
+    inputs: str
+    shapes: tuple[Mapping[str, tuple[int, ...]], ...]
+    backends: tuple[BackendCheck, ...]
+    model: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    host: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    created: str = ""
+
+    @property
+    def ran(self) -> tuple[BackendCheck, ...]:
+        return tuple(b for b in self.backends if b.status != "skipped")
+
+    @property
+    def passed(self) -> bool:
+        if self.settings.get("require_all") and any(b.status == "skipped" for b in self.backends):
+            return False
+        return bool(self.ran) and all(b.passed for b in self.ran)
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-safe dict (schema ``enginekit.compare/1``)."""
+        return {
+            "schema": "enginekit.compare/1",
+            "passed": self.passed,
+            "enginekit_version": __version__,
+            "created": self.created,
+            "model": dict(self.model),
+            "reference": self.reference,
+            "inputs": {
+                "source": self.inputs,
+                "cases": [{k: list(v) for k, v in s.items()} for s in self.shapes],
+            },
+            "settings": dict(self.settings),
+            "host": dict(self.host),
+            "backends": [b.to_json() for b in self.backends],
+        }
+
+    def table(self) -> str:
+        """A fixed-width table for the terminal: one row per entry and output (worst case)."""
+        return compare_table(self)
 
 
 def compare_table(report: CompareReport) -> str:
@@ -66,6 +199,122 @@ def compare_table(report: CompareReport) -> str:
     return "\n".join([head, table(header, rows), tail])
 
 
+# -- bench -----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Latency:
+    """Latency percentiles of single ``infer`` calls, in milliseconds."""
+
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    min: float
+    mean: float
+
+    def to_json(self) -> dict[str, float]:
+        return {k: round(v, 6) for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchResult:
+    """One batch size of one engine.
+
+    Attributes:
+        batch: rows per ``infer`` call.
+        shapes: the input shapes used.
+        runs: timed calls, all rounds together.
+        latency_ms: percentiles over every timed call (None when it could not run).
+        throughput: samples per second, the median over rounds.
+        round_throughputs: samples per second of each round.
+        spread: (max - min) / median of the round throughputs (None with one round).
+        stable: spread within the threshold (None with one round: cannot tell).
+        split: the batch is larger than the engine's largest profile, so each call is split
+            into several runs and re-joined (what Engine does, and what was measured).
+        peak_rss_mb: peak resident memory of the process while this batch size ran.
+        note: what the numbers mean beyond themselves (split, unstable).
+        error: why this batch size could not run (e.g. below the profile's minimum).
+    """
+
+    batch: int
+    shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    runs: int = 0
+    latency_ms: Latency | None = None
+    throughput: float = 0.0
+    round_throughputs: tuple[float, ...] = ()
+    spread: float | None = None
+    stable: bool | None = None
+    split: bool = False
+    peak_rss_mb: float | None = None
+    note: str = ""
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "batch": self.batch,
+            "shapes": {k: list(v) for k, v in self.shapes.items()},
+            "runs": self.runs,
+            "latency_ms": None if self.latency_ms is None else self.latency_ms.to_json(),
+            "throughput": round(self.throughput, 3),
+            "round_throughputs": [round(t, 3) for t in self.round_throughputs],
+            "spread": None if self.spread is None else round(self.spread, 4),
+            "stable": self.stable,
+            "split": self.split,
+            "peak_rss_mb": self.peak_rss_mb,
+            "note": self.note,
+            "error": self.error,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchResult:
+    """The benchmark of one engine: per batch size results plus where and how it was measured."""
+
+    engine: Mapping[str, Any]
+    results: tuple[BatchResult, ...]
+    settings: Mapping[str, Any]
+    host: Mapping[str, Any]
+    versions: Mapping[str, str]
+    peak_rss_mb: float | None
+    created: str
+
+    @property
+    def label(self) -> str:
+        return str(self.engine.get("label", "engine"))
+
+    @property
+    def stable(self) -> bool:
+        """No batch size was flagged unstable."""
+        return all(r.stable is not False for r in self.results)
+
+    def result(self, batch: int) -> BatchResult:
+        """The result for one batch size."""
+        for r in self.results:
+            if r.batch == batch:
+                return r
+        raise KeyError(f"batch {batch} was not benchmarked ({[r.batch for r in self.results]})")
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-safe dict (schema ``enginekit.bench/1``)."""
+        return {
+            "schema": "enginekit.bench/1",
+            "enginekit_version": __version__,
+            "created": self.created,
+            "engine": dict(self.engine),
+            "host": dict(self.host),
+            "versions": dict(self.versions),
+            "settings": dict(self.settings),
+            "peak_rss_mb": self.peak_rss_mb,
+            "stable": self.stable,
+            "results": [r.to_json() for r in self.results],
+        }
+
+    def table(self) -> str:
+        """A fixed-width table for the terminal."""
+        return bench_table([self])
+
+
 def bench_table(results: Sequence[BenchResult]) -> str:
     """One row per engine and batch size, then the host and the notes."""
     header = ["ENGINE", "BATCH", "P50 MS", "P90 MS", "P99 MS", "MAX MS", "SAMPLES/S", "SPREAD",
@@ -101,6 +350,9 @@ def bench_table(results: Sequence[BenchResult]) -> str:
             "rounds' throughput ('!' = unstable)"
         )
     return "\n".join(lines)
+
+
+# -- auto ------------------------------------------------------------------------------------------
 
 
 def auto_table(auto: Mapping[str, Any]) -> str:
