@@ -42,6 +42,7 @@ from enginekit.version import __version__
 
 # build() knows no strategy itself: the layers above it plug theirs in here.
 STRATEGIES["auto"] = build_auto
+del STRATEGIES, build_auto
 
 
 def available_backends() -> list[Availability]:
