@@ -3,8 +3,8 @@
 :func:`build` reads as its stages, each a small function taking and returning frozen
 dataclasses::
 
-    _request -> _load_and_check -> _quantize -> _prepare_graph -> _compile -> _manifest
-             -> _stage -> _verify -> _write
+    Request -> _load_and_check -> _quantize -> _prepare_graph -> _compile -> _manifest
+            -> _stage -> _verify -> _write
 
 A new stage (a cache lookup, profiling) goes between two of them and adds its own dataclass.
 A name in :data:`STRATEGIES` stands for a backend name and takes over the whole build
@@ -88,7 +88,8 @@ class Graph:
     Attributes:
         model: the graph the backend builds (after int8 quantization and the graph passes).
         reference: what verification compares with: the user's model (its selected subgraph
-            with ``outputs``), untouched by the passes; for int8, the float source model.
+            with ``outputs``), untouched by the passes; when the graph carries Q/DQ nodes (int8
+            from a table, or a QAT model), the source model as it was loaded.
         passes: every graph pass that ran, for ``manifest["passes"]``.
         quantized: the int8 stage's result (the source model itself at other precisions).
     """
