@@ -15,7 +15,7 @@ $(VENV)/.demo-installed: $(DEPS) | $(BIN)/python
 	touch $@
 
 $(VENV)/.test-installed: $(DEPS) | $(BIN)/python
-	$(PIP) -e ".[torch,tf,tvm,tvm-tune,jax,tensorrt,test]"
+	$(PIP) -e ".[torch,tf,tvm,tvm-tune,jax,tensorrt,corpus,openvino,data,ray,test]"
 	touch $@ $(VENV)/.demo-installed
 
 demo: $(VENV)/.demo-installed
