@@ -9,11 +9,14 @@ table = ek.calibrate("model.onnx", calib_x)                      # INT8 ranges, 
 engine8 = ek.build("model.onnx", precision="int8", calibration=table, verify_data=val_x)
 report = ek.compare("model.onnx", backends=["onnxruntime"], shapes=...)  # report.passed gates CI
 result = ek.bench(engine, batch_sizes=[1, 8, 32], duration=5.0)
+with ek.Batcher(engine, max_delay_ms=2.0) as batcher:          # many small requests, full batches
+    row = batcher.infer(x[0])                                    # or submit() / await infer_async()
 """
 
 from __future__ import annotations
 
 from enginekit.backends import Availability, load
+from enginekit.batcher import Batcher
 from enginekit.build import STRATEGIES, build
 from enginekit.calibration import CalibrationTable, calibrate
 from enginekit.config import BuildConfig, Precision, ShapeProfile, parse_shapes
@@ -21,12 +24,16 @@ from enginekit.engine import Engine, TensorSpec
 from enginekit.errors import (
     ArtifactError,
     BackendUnavailable,
+    BatcherClosed,
+    BatcherError,
     BuildError,
     CalibrationError,
+    DeadlineExceeded,
     EngineInputError,
     EnginekitError,
     ExportError,
     ModelError,
+    QueueFull,
     UsageError,
     VerificationError,
 )
@@ -56,6 +63,9 @@ __all__ = [
     "ArtifactError",
     "Availability",
     "BackendUnavailable",
+    "Batcher",
+    "BatcherClosed",
+    "BatcherError",
     "BenchResult",
     "BuildConfig",
     "BuildError",
@@ -63,6 +73,7 @@ __all__ = [
     "CalibrationTable",
     "Candidate",
     "CompareReport",
+    "DeadlineExceeded",
     "Engine",
     "EngineInputError",
     "EnginekitError",
@@ -70,6 +81,7 @@ __all__ = [
     "Model",
     "ModelError",
     "Precision",
+    "QueueFull",
     "ShapeProfile",
     "TensorSpec",
     "UsageError",

@@ -45,3 +45,19 @@ class CalibrationError(BuildError):
 
 class UsageError(EnginekitError, ValueError):
     """Arguments that are out of range or cannot work together (CLI exit code 2)."""
+
+
+class BatcherError(EnginekitError):
+    """A request to a Batcher could not be served (queue full, deadline passed, closed)."""
+
+
+class QueueFull(BatcherError):
+    """A Batcher's queue holds ``max_queue`` requests already: back off, or shed load."""
+
+
+class DeadlineExceeded(BatcherError, TimeoutError):
+    """A request's ``timeout_ms`` passed while it waited in a Batcher's queue."""
+
+
+class BatcherClosed(BatcherError):
+    """A Batcher was closed: it accepts no request, and ``close(drain=False)`` fails queued ones."""

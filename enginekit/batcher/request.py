@@ -1,0 +1,344 @@
+"""One request and how its sample maps onto the engine: validate, group, stack, split.
+
+A sample is one row (each input without the batch dim) or a small batch (with it). It is checked
+against the engine's input specs and profiles at submit, so that a bad request fails alone and
+never reaches a batch. Requests whose non-batch dims differ (sequence length) get different group
+keys and are batched separately — or, with padding on, grouped by the bucket their length pads to.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from enginekit.engine import Engine, to_numpy
+from enginekit.errors import EngineInputError, UsageError
+
+QUEUED, TAKEN, DEAD = 0, 1, 2
+
+Key = tuple[Any, ...]
+
+
+class Request:
+    """A sample waiting for, or running in, a batch; ``future`` receives its outputs."""
+
+    __slots__ = (
+        "arrival",
+        "deadline",
+        "feeds",
+        "future",
+        "key",
+        "lengths",
+        "priority",
+        "rows",
+        "seq",
+        "single",
+        "state",
+    )
+
+    def __init__(
+        self,
+        feeds: dict[str, np.ndarray],
+        rows: int,
+        single: bool,
+        key: Key,
+        lengths: dict[str, int] | None,
+    ) -> None:
+        self.feeds = feeds
+        self.rows = rows
+        self.single = single
+        self.key = key
+        self.lengths = lengths  # padded symbol -> this request's own size (padding only)
+        self.future: concurrent.futures.Future[dict[str, np.ndarray]] = (
+            concurrent.futures.Future()
+        )
+        self.priority = 0
+        self.seq = 0
+        self.arrival = 0.0
+        self.deadline = float("inf")
+        self.state = QUEUED
+
+
+def _buckets_for(limit: int, low: int) -> tuple[int, ...]:
+    """Powers of two from ``low`` up, capped by (and always including) ``limit``."""
+    sizes, size = [], 1
+    while size < limit:
+        if size >= low:
+            sizes.append(size)
+        size *= 2
+    sizes.append(limit)
+    return tuple(sizes)
+
+
+class Layout:
+    """The engine's inputs and outputs as the batcher sees them; checks and reshapes requests."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        pad_values: Mapping[str, float] | None = None,
+        seq_buckets: Sequence[int] | None = None,
+    ) -> None:
+        self.names = tuple(s.name for s in engine.inputs)
+        first = [s.shape[0] if s.shape else None for s in engine.inputs]
+        batch = first[0] if first else None
+        outs_ok = all(o.shape and o.shape[0] == batch for o in engine.outputs)
+        if not isinstance(batch, str) or any(d != batch for d in first) or not outs_ok:
+            raise UsageError(
+                f"a Batcher needs an engine whose inputs and outputs all start with one symbolic "
+                f"batch dim; this one has inputs {[str(s) for s in engine.inputs]} and outputs "
+                f"{[str(s) for s in engine.outputs]} — export with dynamic_batch=True"
+            )
+        self.profiles = engine.profiles
+        self._specs = {s.name: s for s in engine.inputs}
+        self._dtypes = {s.name: np.dtype(s.dtype) for s in engine.inputs}
+        self._rank = {s.name: len(s.shape) for s in engine.inputs}
+        self._fixed = {
+            s.name: tuple((a, d) for a, d in enumerate(s.shape) if a and isinstance(d, int))
+            for s in engine.inputs
+        }
+        symbols: dict[str, list[tuple[str, int]]] = {}
+        for s in engine.inputs:
+            for axis, d in enumerate(s.shape[1:], 1):
+                if isinstance(d, str) and d != "?":
+                    symbols.setdefault(d, []).append((s.name, axis))
+        self._shared = {sym: uses for sym, uses in symbols.items() if len(uses) > 1}
+        self._checked: dict[Any, tuple[bool, int, Key, dict[str, int] | None]] = {}
+        self.pad_values = dict(pad_values or {})
+        self._padded: dict[str, tuple[str, int]] = {}  # symbol -> (input, axis) it is read from
+        self._buckets: dict[str, tuple[int, ...]] = {}
+        self._out_trim: dict[str, tuple[tuple[int, str], ...]] = {}
+        if self.pad_values:
+            self._setup_padding(engine, symbols, seq_buckets)
+
+    def _setup_padding(
+        self,
+        engine: Engine,
+        symbols: Mapping[str, list[tuple[str, int]]],
+        seq_buckets: Sequence[int] | None,
+    ) -> None:
+        for name in self.pad_values:
+            if name not in self._specs:
+                close = difflib.get_close_matches(name, self.names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise UsageError(
+                    f"pad_values names input {name!r}{hint}; the engine's inputs are "
+                    f"{', '.join(map(repr, self.names))}"
+                )
+        for sym, uses in symbols.items():
+            padded = [n for n, _ in uses if n in self.pad_values]
+            if not padded:
+                continue
+            unpadded = [n for n, _ in uses if n not in self.pad_values]
+            if unpadded:
+                raise UsageError(
+                    f"padding dim {sym!r}: inputs {', '.join(map(repr, unpadded))} share it "
+                    f"but have no pad value; add them to pad_values (e.g. a mask pads with 0)"
+                )
+            name, axis = uses[0]
+            limit = max((p[name].max[axis] for p in self.profiles if name in p), default=0)
+            low = min((p[name].min[axis] for p in self.profiles if name in p), default=1)
+            if seq_buckets is not None:
+                sizes = tuple(sorted({int(b) for b in seq_buckets}))
+                if limit and sizes[-1] < limit:
+                    sizes = (*sizes, limit)
+            elif limit:
+                sizes = _buckets_for(limit, low)
+            else:
+                raise UsageError(
+                    f"padding dim {sym!r}: the engine has no profile bounding it; "
+                    "pass seq_buckets=(...) with the lengths to pad up to"
+                )
+            self._padded[sym] = (name, axis)
+            self._buckets[sym] = sizes
+        if not self._padded:
+            raise UsageError(
+                f"pad_values {sorted(self.pad_values)}: none of these inputs has a symbolic "
+                "non-batch dim (such as a sequence length) to pad"
+            )
+        for o in engine.outputs:
+            self._out_trim[o.name] = tuple(
+                (axis, d) for axis, d in enumerate(o.shape[1:], 1) if d in self._padded
+            )
+
+    # -- at submit -----------------------------------------------------------------------------
+
+    def prepare(self, sample: Any) -> Request:
+        """Normalize and validate ``sample``; raises EngineInputError naming what is wrong."""
+        names = self.names
+        if isinstance(sample, Mapping):
+            if len(sample) != len(names) or any(n not in sample for n in names):
+                self._name_error(sample)
+            feeds = {n: to_numpy(sample[n], n) for n in names}
+        elif len(names) == 1:
+            feeds = {names[0]: to_numpy(sample, names[0])}
+        elif isinstance(sample, (list, tuple)) and len(sample) == len(names):
+            feeds = {n: to_numpy(v, n) for n, v in zip(names, sample)}
+        else:
+            raise EngineInputError(
+                f"this engine has {len(names)} inputs ({', '.join(names)}); submit a dict "
+                "name -> array or a sequence in that order"
+            )
+        sig = tuple([(a.dtype, a.shape) for a in feeds.values()])
+        hit = self._checked.get(sig)
+        if hit is None:
+            hit = self._check(feeds)
+            if len(self._checked) < 4096:
+                self._checked[sig] = hit
+        single, rows, key, lengths = hit
+        if single:
+            feeds = {n: a[None] for n, a in feeds.items()}
+        return Request(feeds, rows, single, key, lengths)
+
+    def _name_error(self, sample: Mapping[str, Any]) -> None:
+        given = [str(k) for k in sample]
+        parts = [f"missing input {n!r}" for n in self.names if n not in sample]
+        for k in given:
+            if k not in self.names:
+                close = difflib.get_close_matches(k, self.names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                parts.append(f"unknown input {k!r}{hint}")
+        raise EngineInputError(
+            "; ".join(parts) + f" — this engine takes {', '.join(map(repr, self.names))}"
+        )
+
+    def _check(self, feeds: dict[str, np.ndarray]) -> tuple[bool, int, Key, dict[str, int] | None]:
+        modes = set()
+        for name, a in feeds.items():
+            spec, rank = self._specs[name], self._rank[name]
+            if a.dtype != self._dtypes[name]:
+                raise EngineInputError(
+                    f"input {name!r}: expected dtype {spec.dtype}, got {a.dtype} (cast it "
+                    f"yourself, e.g. x.astype(np.{spec.dtype}); enginekit never casts silently)"
+                )
+            if a.ndim == rank - 1:
+                modes.add("row")
+            elif a.ndim == rank:
+                modes.add("batch")
+            else:
+                raise EngineInputError(
+                    f"input {name!r}: expected one row of rank {rank - 1} (shape "
+                    f"{spec.shape[1:]}) or a batch of rank {rank} (shape {spec.shape}), got "
+                    f"shape {a.shape}"
+                )
+        if len(modes) > 1:
+            raise EngineInputError(
+                "some inputs are single rows and some are batches: give every input its batch "
+                "dim, or none of them"
+            )
+        single = modes == {"row"}
+        shapes = {n: ((1,) if single else ()) + a.shape for n, a in feeds.items()}
+        rows_seen = {s[0] for s in shapes.values()}
+        if len(rows_seen) > 1:
+            given = ", ".join(f"{n}: {s[0]}" for n, s in shapes.items())
+            raise EngineInputError(f"inputs have different row counts ({given}); they must agree")
+        rows = rows_seen.pop()
+        if rows == 0:
+            raise EngineInputError("a request with 0 rows: submit at least one row")
+        for name, shape in shapes.items():
+            for axis, size in self._fixed[name]:
+                if shape[axis] != size:
+                    raise EngineInputError(
+                        f"input {name!r}: dim {axis} must be {size} (spec "
+                        f"{self._specs[name].shape}), got {'row' if single else 'batch'} shape "
+                        f"{feeds[name].shape}"
+                    )
+        for sym, uses in self._shared.items():
+            sizes = {shapes[n][axis] for n, axis in uses}
+            if len(sizes) > 1:
+                given = ", ".join(f"{n}[{axis}]={shapes[n][axis]}" for n, axis in uses)
+                raise EngineInputError(f"inputs share dim {sym!r} but differ: {given}")
+        lengths = None
+        if self._padded:
+            lengths = {sym: shapes[n][axis] for sym, (n, axis) in self._padded.items()}
+            shapes = {n: self._pad_shape(n, s, lengths) for n, s in shapes.items()}
+        if self.profiles and not any(self._fits(p, shapes) for p in self.profiles):
+            self._profile_error(shapes)
+        key = tuple(shapes[n][1:] for n in self.names)
+        return single, rows, key, lengths
+
+    def _pad_shape(
+        self, name: str, shape: tuple[int, ...], lengths: Mapping[str, int]
+    ) -> tuple[int, ...]:
+        if name not in self.pad_values:
+            return shape
+        dims = list(shape)
+        for axis, d in enumerate(self._specs[name].shape):
+            if axis and d in self._padded:
+                size = lengths[str(d)]
+                dims[axis] = next((b for b in self._buckets[str(d)] if b >= size), size)
+        return tuple(dims)
+
+    @staticmethod
+    def _fits(profile: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> bool:
+        return all(
+            all(lo <= d <= hi for d, lo, hi in zip(s[1:], p.min[1:], p.max[1:]))
+            for n, s in shapes.items()
+            if (p := profile.get(n)) is not None
+        )
+
+    def _profile_error(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        ranges = []
+        for i, p in enumerate(self.profiles):
+            for n, s in shapes.items():
+                if n in p:
+                    for axis in range(1, len(s)):
+                        lo, hi = p[n].min[axis], p[n].max[axis]
+                        if not lo <= s[axis] <= hi:
+                            ranges.append(
+                                f"profile {i}: {n!r} dim {axis} is {s[axis]}, built for {lo}..{hi}"
+                            )
+        raise EngineInputError(
+            "request shapes fit no built profile: "
+            + "; ".join(ranges)
+            + " — rebuild the engine with wider --shapes to accept them"
+        )
+
+    # -- in the worker -------------------------------------------------------------------------
+
+    def stack(self, requests: Sequence[Request]) -> dict[str, np.ndarray]:
+        """The requests' rows as one batch (padded to the group's shape when padding is on)."""
+        if len(requests) == 1 and requests[0].lengths is None:
+            return requests[0].feeds
+        key = requests[0].key
+        feeds = {}
+        for i, name in enumerate(self.names):
+            parts = [r.feeds[name] for r in requests]
+            target = key[i]
+            if all(p.shape[1:] == target for p in parts):
+                feeds[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                continue
+            total = sum(p.shape[0] for p in parts)
+            out = np.full((total, *target), self.pad_values[name], dtype=parts[0].dtype)
+            start = 0
+            for p in parts:
+                out[(slice(start, start + p.shape[0]), *map(slice, p.shape[1:]))] = p
+                start += p.shape[0]
+            feeds[name] = out
+        return feeds
+
+    def split(
+        self, outputs: Mapping[str, np.ndarray], requests: Sequence[Request]
+    ) -> list[dict[str, np.ndarray]]:
+        """Each request's rows of ``outputs``, in its own shape (a row, or its own batch)."""
+        results = []
+        start = 0
+        trim = self._out_trim
+        for r in requests:
+            index: Any = start if r.single else slice(start, start + r.rows)
+            if r.lengths is None:
+                results.append({k: v[index] for k, v in outputs.items()})
+            else:
+                res = {}
+                for k, v in outputs.items():
+                    cut = [index] + [slice(None)] * (v.ndim - 1)
+                    for axis, sym in trim.get(k, ()):
+                        cut[axis] = slice(0, r.lengths[sym])
+                    res[k] = v[tuple(cut)]
+                results.append(res)
+            start += r.rows
+        return results
