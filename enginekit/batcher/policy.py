@@ -112,10 +112,11 @@ def pow2_sizes(limit: int) -> tuple[int, ...]:
 
 
 def take_size(rows: int, max_rows: int, preferred: Sequence[int], reason: str) -> int:
-    """How many of ``rows`` waiting rows to send: a preferred size when one fits, unless the
-    window has run out (then everything up to the maximum)."""
+    """How many of ``rows`` waiting rows to send: the largest preferred size that fits (the rest
+    keep waiting in their own windows), everything up to the maximum when none fits or when
+    closing."""
     rows = min(rows, max_rows)
-    if not preferred or reason in ("window", "close"):
+    if not preferred or reason == "close":
         return rows
     fits = [p for p in preferred if p <= rows]
     return fits[-1] if fits else rows
