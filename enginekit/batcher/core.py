@@ -144,6 +144,7 @@ class Batcher:
         self._idle = int(workers)
         self._closing = False
         self._drain = True
+        self._wake = math.inf  # when the sleeping scheduler looks again by itself
         if warmup:
             self._warmup()
         self._threads = [
@@ -206,7 +207,9 @@ class Batcher:
             self._arrivals.observe(now)
             if self._rate is not None:
                 self._rate.observe(now)
-            if self._idle:
+            # Wake the scheduler only when it has something to do: a worker is free to take
+            # this request, or its deadline falls before the scheduler's next wake-up.
+            if self._idle or request.deadline < self._wake:
                 self._cv.notify()
         return request.future
 
@@ -403,7 +406,9 @@ class Batcher:
                                 self._handoff.put(admitted)
                             continue
                         wake = min(wake, self._queue.next_deadline())
+                    self._wake = wake
                     cv.wait(None if math.isinf(wake) else max(wake - now, 0.0))
+                    self._wake = -math.inf  # awake: submit need not notify for deadlines
             self._fail_expired(expired)
 
     # -- the engine threads --------------------------------------------------------------------

@@ -63,6 +63,13 @@ class Request:
         self.state = QUEUED
 
 
+def _closest(name: str, names: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``names``, case-insensitively; or ''."""
+    lower = {n.lower(): n for n in names}
+    close = difflib.get_close_matches(name.lower(), list(lower), n=1)
+    return f" (did you mean {lower[close[0]]!r}?)" if close else ""
+
+
 def _buckets_for(limit: int, low: int) -> tuple[int, ...]:
     """Powers of two from ``low`` up, capped by (and always including) ``limit``."""
     sizes, size = [], 1
@@ -123,10 +130,8 @@ class Layout:
     ) -> None:
         for name in self.pad_values:
             if name not in self._specs:
-                close = difflib.get_close_matches(name, self.names, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise UsageError(
-                    f"pad_values names input {name!r}{hint}; the engine's inputs are "
+                    f"pad_values names input {name!r}{_closest(name, self.names)}; the engine's inputs are "
                     f"{', '.join(map(repr, self.names))}"
                 )
         for sym, uses in symbols.items():
@@ -199,9 +204,7 @@ class Layout:
         parts = [f"missing input {n!r}" for n in self.names if n not in sample]
         for k in given:
             if k not in self.names:
-                close = difflib.get_close_matches(k, self.names, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                parts.append(f"unknown input {k!r}{hint}")
+                parts.append(f"unknown input {k!r}{_closest(k, self.names)}")
         raise EngineInputError(
             "; ".join(parts) + f" — this engine takes {', '.join(map(repr, self.names))}"
         )
