@@ -26,6 +26,7 @@ import argparse
 import concurrent.futures
 import importlib.util
 import json
+import os
 import tempfile
 import threading
 import time
@@ -220,8 +221,7 @@ def run_model(
         source = make(distinct)
         samples = [rows_of(source, i % distinct) for i in range(count)]
         one = [
-            {k: v[None] for k, v in s.items()} if isinstance(s, dict) else s[None]
-            for s in samples
+            {k: v[None] for k, v in s.items()} if isinstance(s, dict) else s[None] for s in samples
         ]
 
         def pool_submit(i_sample: Any, finish: Callable[[], None]) -> None:
@@ -286,13 +286,15 @@ def overhead(count: int, max_batch: int = 64, submitters: int = 2) -> float:
         with ek.Batcher(NoOp(max_batch), max_batch, MAX_DELAY_MS, max_queue=count) as batcher:
             barrier = threading.Barrier(submitters + 1)
 
-            def work() -> None:
+            def work(batcher: ek.Batcher, barrier: threading.Barrier) -> None:
                 barrier.wait()
                 futures = [batcher.submit(x) for _ in range(count // submitters)]
                 for f in futures:
                     f.result()
 
-            threads = [threading.Thread(target=work) for _ in range(submitters)]
+            threads = [
+                threading.Thread(target=work, args=(batcher, barrier)) for _ in range(submitters)
+            ]
             for t in threads:
                 t.start()
             barrier.wait()
@@ -314,6 +316,9 @@ def main() -> None:
     if args.quick:
         args.seconds = min(args.seconds, 0.2)
     print(f"host: {cpu_name()}; ISA: {' '.join(sorted(cpu_flags())) or 'unknown'}")
+    print(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (a loaded machine skews all cells)"
+    )
     print(f"batcher: max_delay_ms={MAX_DELAY_MS}, adaptive dispatch, 1 worker; pool: 8 threads")
     results: list[dict[str, Any]] = []
     goals = []
@@ -322,13 +327,17 @@ def main() -> None:
         for name in args.models.split(","):
             maker, max_batch = makers[name]
             engine, make = maker(Path(tmp), 8 if args.quick else max_batch)
-            rows = run_model(name, engine, make, engine.profiles[0][engine.inputs[0].name].max[0], args)
+            rows = run_model(
+                name, engine, make, engine.profiles[0][engine.inputs[0].name].max[0], args
+            )
             engine.close()
             results += rows
             ours = [r for r in rows if r["mode"] == "batcher"]
             b1 = rows[-1]["batch1_s"] * 1e3
             top, low = ours[-1], ours[0]
-            goals.append((f"{name}: highest rate >= 0.90 of ceiling", top["of_ceiling"], 0.90, ">="))
+            goals.append(
+                (f"{name}: highest rate >= 0.90 of ceiling", top["of_ceiling"], 0.90, ">=")
+            )
             bound = MAX_DELAY_MS + 1.5 * b1
             goals.append((f"{name}: lowest-rate p99 <= {bound:.2f} ms", low["p99_ms"], bound, "<="))
     us = overhead(2000 if args.quick else 50_000)

@@ -430,7 +430,7 @@ class Batcher:
                     outputs = engine.infer(layout.stack(requests))
                     elapsed = time.perf_counter() - start
                     results = layout.split(outputs, requests)
-                except BaseException as exc:  # noqa: BLE001 - handed to the batch's futures
+                except BaseException as exc:  # handed to the batch's futures
                     elapsed = time.perf_counter() - start
                     error = exc
                     log.warning("batcher %r: a batch of %d rows failed: %r", self.name, rows, exc)
@@ -455,7 +455,7 @@ class Batcher:
                         r.future.set_result(res)
                 else:
                     for r in requests:
-                        r.future.set_exception(error)  # type: ignore[arg-type]
+                        r.future.set_exception(error)
                 self._fail_expired(expired)
 
     def _warmup(self) -> None:

@@ -42,7 +42,13 @@ def _quantiles(m: Metrics, name: str) -> dict[str, float]:
         return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "mean": math.nan, **totals}
     a = np.fromiter(samples, float, len(samples)) * 1e3
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(a.mean()), **totals}
+    return {
+        "p50": float(p50),
+        "p90": float(p90),
+        "p99": float(p99),
+        "mean": float(a.mean()),
+        **totals,
+    }
 
 
 def snapshot(m: Metrics, **gauges: Any) -> dict[str, Any]:

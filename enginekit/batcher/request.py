@@ -53,9 +53,7 @@ class Request:
         self.single = single
         self.key = key
         self.lengths = lengths  # padded symbol -> this request's own size (padding only)
-        self.future: concurrent.futures.Future[dict[str, np.ndarray]] = (
-            concurrent.futures.Future()
-        )
+        self.future: concurrent.futures.Future[dict[str, np.ndarray]] = concurrent.futures.Future()
         self.priority = 0
         self.seq = 0
         self.arrival = 0.0
@@ -175,20 +173,26 @@ class Layout:
     def prepare(self, sample: Any) -> Request:
         """Normalize and validate ``sample``; raises EngineInputError naming what is wrong."""
         names = self.names
-        if isinstance(sample, Mapping):
-            if len(sample) != len(names) or any(n not in sample for n in names):
-                self._name_error(sample)
-            feeds = {n: to_numpy(sample[n], n) for n in names}
-        elif len(names) == 1:
-            feeds = {names[0]: to_numpy(sample, names[0])}
-        elif isinstance(sample, (list, tuple)) and len(sample) == len(names):
-            feeds = {n: to_numpy(v, n) for n, v in zip(names, sample)}
+        if type(sample) is np.ndarray and len(names) == 1:  # the common case, kept short
+            feeds = {names[0]: sample}
+            sig: Any = (sample.dtype, sample.shape)
         else:
-            raise EngineInputError(
-                f"this engine has {len(names)} inputs ({', '.join(names)}); submit a dict "
-                "name -> array or a sequence in that order"
-            )
-        sig = tuple([(a.dtype, a.shape) for a in feeds.values()])
+            if isinstance(sample, Mapping):
+                if len(sample) != len(names) or any(n not in sample for n in names):
+                    self._name_error(sample)
+                feeds = {n: to_numpy(sample[n], n) for n in names}
+            elif len(names) == 1:
+                feeds = {names[0]: to_numpy(sample, names[0])}
+            elif isinstance(sample, (list, tuple)) and len(sample) == len(names):
+                feeds = {n: to_numpy(v, n) for n, v in zip(names, sample)}
+            else:
+                raise EngineInputError(
+                    f"this engine has {len(names)} inputs ({', '.join(names)}); submit a dict "
+                    "name -> array or a sequence in that order"
+                )
+            sig = tuple([(a.dtype, a.shape) for a in feeds.values()])
+            if len(names) == 1:
+                sig = sig[0]
         hit = self._checked.get(sig)
         if hit is None:
             hit = self._check(feeds)

@@ -1,0 +1,45 @@
+"""benchmarks/batcher.py in its smallest form: every cell runs and reports sane numbers."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+from batcher_engines import build
+
+ROOT = Path(__file__).parent.parent.parent
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location(
+        "bench_batcher", ROOT / "benchmarks" / "batcher.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_reports_every_mode_at_every_rate(script, onnx_model):
+    engine = build(onnx_model, "cnn")
+    rng = np.random.default_rng(0)
+
+    def make(n):
+        return rng.standard_normal((n, 3, 16, 16)).astype(np.float32)
+
+    args = argparse.Namespace(quick=True, seconds=0.1)
+    rows = script.run_model("cnn", engine, make, 8, args)
+    engine.close()
+    modes = [(r["fraction"], r["mode"]) for r in rows if "fraction" in r]
+    assert modes == [(f, m) for f in script.QUICK_RATES for m in ("pool", "batcher")]
+    for r in rows:
+        assert r["throughput"] > 0
+        if "p99_ms" in r:
+            assert 0 < r["p50_ms"] <= r["p99_ms"]
+
+
+def test_noop_overhead_is_measured(script):
+    assert 0 < script.overhead(400) < 10_000
