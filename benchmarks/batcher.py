@@ -45,7 +45,9 @@ RATES = (0.02, 0.25, 0.5, 0.9, 1.5)  # fractions of the offline ceiling
 QUICK_RATES = (0.05, 1.5)
 
 
-def demo_cnn(workdir: Path, max_batch: int) -> tuple[ek.Engine, Callable[[int], Any]]:
+def demo_cnn(
+    workdir: Path, max_batch: int, threads: int = 1
+) -> tuple[ek.Engine, Callable[[int], Any]]:
     """examples/demo.py's SmallCNN (3x32x32 -> 10) built for batches 1..max_batch."""
     import torch
 
@@ -61,7 +63,7 @@ def demo_cnn(workdir: Path, max_batch: int) -> tuple[ek.Engine, Callable[[int], 
         dynamic_batch=True,
     )
     shapes = {"x": [(1, 3, 32, 32), (max_batch // 2, 3, 32, 32), (max_batch, 3, 32, 32)]}
-    engine = ek.build(path, backend="onnxruntime", shapes=shapes)
+    engine = ek.build(path, backend="onnxruntime", shapes=shapes, intra_op_threads=threads)
     rng = np.random.default_rng(0)
     return engine, lambda n: rng.standard_normal((n, 3, 32, 32)).astype(np.float32)
 
@@ -85,7 +87,9 @@ def _torchvision_schemas() -> None:
         _TORCHVISION_OPS.append(None)
 
 
-def tiny_bert(workdir: Path, max_batch: int, seq: int = 16) -> tuple[ek.Engine, Callable]:
+def tiny_bert(
+    workdir: Path, max_batch: int, threads: int = 1, seq: int = 16
+) -> tuple[ek.Engine, Callable]:
     """A 2-layer BertModel (hidden 64) from a config; outputs the [CLS] vector."""
     import torch
 
@@ -120,7 +124,7 @@ def tiny_bert(workdir: Path, max_batch: int, seq: int = 16) -> tuple[ek.Engine, 
         n: [(1, seq), (max_batch // 2, seq), (max_batch, seq)]
         for n in ("input_ids", "attention_mask")
     }
-    engine = ek.build(path, backend="onnxruntime", shapes=shapes)
+    engine = ek.build(path, backend="onnxruntime", shapes=shapes, intra_op_threads=threads)
     rng = np.random.default_rng(0)
 
     def make(n: int) -> dict[str, np.ndarray]:
@@ -193,6 +197,7 @@ def open_loop(
     latency = (done[ok] - (start + arrivals[ok])) * 1e3
     span = np.nanmax(done) - start if ok.any() else float("nan")
     return {
+        "span_s": span,
         "throughput": ok.sum() / span,
         "p50_ms": float(np.percentile(latency, 50)),
         "p99_ms": float(np.percentile(latency, 99)),
@@ -247,12 +252,14 @@ def run_model(
                 row["reasons"] = stats["dispatch_reasons"]
                 row["queue_wait_p50_ms"] = stats["queue_wait_ms"]["p50"]
                 row["engine_p50_ms"] = stats["engine_ms"]["p50"]
+                row["engine_busy"] = stats["engine_ms"]["sum"] / 1e3 / cell["span_s"]
             rows.append(row)
             print(
                 f"{rate:>10,.0f} {mode:>8} {cell['throughput']:>10,.0f} "
                 f"{row['of_ceiling']:>10.2f} {cell['p50_ms']:>9.2f} {cell['p99_ms']:>9.2f}"
                 + (
-                    f"   mean batch {stats['mean_batch_size']:.1f}, queue wait p50 "
+                    f"   mean batch {stats['mean_batch_size']:.1f}, engine busy "
+                    f"{row['engine_busy']:.0%}, queue wait p50 "
                     f"{stats['queue_wait_ms']['p50']:.2f} ms, engine p50 "
                     f"{stats['engine_ms']['p50']:.2f} ms, sent by {stats['dispatch_reasons']}"
                     if mode == "batcher"
@@ -311,6 +318,13 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
     p.add_argument("--seconds", type=float, default=2.0, help="per cell (default 2)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="ONNX Runtime intra-op threads per run (default 1: steady on a shared machine, "
+        "where a multi-threaded run stalls on descheduled threads; 0: ONNX Runtime's default)",
+    )
     p.add_argument("--models", default="cnn,bert", help="comma-separated: cnn, bert")
     args = p.parse_args()
     if args.quick:
@@ -319,14 +333,17 @@ def main() -> None:
     print(
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (a loaded machine skews all cells)"
     )
-    print(f"batcher: max_delay_ms={MAX_DELAY_MS}, adaptive dispatch, 1 worker; pool: 8 threads")
+    print(
+        f"batcher: max_delay_ms={MAX_DELAY_MS}, adaptive dispatch, 1 worker; pool: 8 threads; "
+        f"ONNX Runtime intra-op threads: {args.threads or 'default'}"
+    )
     results: list[dict[str, Any]] = []
     goals = []
     with tempfile.TemporaryDirectory() as tmp:
         makers = {"cnn": (demo_cnn, 64), "bert": (tiny_bert, 32)}
         for name in args.models.split(","):
             maker, max_batch = makers[name]
-            engine, make = maker(Path(tmp), 8 if args.quick else max_batch)
+            engine, make = maker(Path(tmp), 8 if args.quick else max_batch, args.threads)
             rows = run_model(
                 name, engine, make, engine.profiles[0][engine.inputs[0].name].max[0], args
             )

@@ -274,10 +274,10 @@ class Batcher:
         for r in dropped:
             if r.future.set_running_or_notify_cancel():
                 r.future.set_exception(error)
-        me = threading.current_thread()
+        if threading.current_thread() in self._threads:
+            return  # called from a result callback: the threads end once this one returns
         for t in self._threads:
-            if t is not me:
-                t.join(timeout)
+            t.join(timeout)
 
     @property
     def closed(self) -> bool:

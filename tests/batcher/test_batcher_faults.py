@@ -269,3 +269,15 @@ def test_bad_arguments_are_usage_errors(cnn):
         ek.Batcher(cnn, preferred_sizes=(16,))
     with pytest.raises(ek.UsageError, match="workers"):
         ek.Batcher(cnn, workers=0)
+
+
+def test_close_from_a_result_callback_does_not_deadlock(cnn):
+    before = batcher_threads()
+    batcher = ek.Batcher(cnn, max_delay_ms=1.0)
+    future = batcher.submit(rows(1)[0])
+    future.add_done_callback(lambda _f: batcher.close())
+    future.result(timeout=10)
+    deadline = time.monotonic() + 10
+    while batcher_threads() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert batcher.closed and batcher_threads() == before
