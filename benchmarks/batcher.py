@@ -285,10 +285,12 @@ class NoOp(ek.Engine):
         return {"y": self._zeros[: len(feeds["x"])]}
 
 
-def overhead(count: int, max_batch: int = 64, submitters: int = 2) -> float:
-    """Microseconds per request through a Batcher on a no-op engine (submit to result)."""
+def overhead(count: int, max_batch: int = 64, submitters: int = 2) -> tuple[float, float]:
+    """Microseconds per request through a Batcher on a no-op engine, submit to result: wall
+    time, and CPU time of the whole process (every thread; steady on a shared machine, where
+    the wall time mostly counts waiting for a core). Best of 3."""
     x = np.zeros(4, np.float32)
-    best = float("inf")
+    best_wall = best_cpu = float("inf")
     for _ in range(3):
         with ek.Batcher(NoOp(max_batch), max_batch, MAX_DELAY_MS, max_queue=count) as batcher:
             barrier = threading.Barrier(submitters + 1)
@@ -305,12 +307,14 @@ def overhead(count: int, max_batch: int = 64, submitters: int = 2) -> float:
             for t in threads:
                 t.start()
             barrier.wait()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for t in threads:
                 t.join()
-            elapsed = time.perf_counter() - start
-        best = min(best, elapsed / (count // submitters * submitters) * 1e6)
-    return best
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        n = count // submitters * submitters
+        best_wall = min(best_wall, elapsed / n * 1e6)
+        best_cpu = min(best_cpu, cpu / n * 1e6)
+    return best_wall, best_cpu
 
 
 def main() -> None:
@@ -357,10 +361,13 @@ def main() -> None:
             )
             bound = MAX_DELAY_MS + 1.5 * b1
             goals.append((f"{name}: lowest-rate p99 <= {bound:.2f} ms", low["p99_ms"], bound, "<="))
-    us = overhead(2000 if args.quick else 50_000)
-    print(f"\nbatcher overhead per request (no-op engine, batch 64, 2 submitters): {us:.1f} us")
-    goals.append(("overhead <= 30 us/request", us, 30.0, "<="))
-    results.append({"mode": "overhead", "us_per_request": us})
+    wall, cpu = overhead(2000 if args.quick else 50_000)
+    print(
+        f"\nbatcher overhead per request (no-op engine, batch 64, 2 submitters): "
+        f"{cpu:.1f} us of CPU time, {wall:.1f} us of wall time"
+    )
+    goals.append(("overhead <= 30 us/request (CPU time)", cpu, 30.0, "<="))
+    results.append({"mode": "overhead", "cpu_us_per_request": cpu, "wall_us_per_request": wall})
     print("\ngoals:")
     for label, value, bound, op in goals:
         met = value >= bound if op == ">=" else value <= bound
