@@ -16,6 +16,7 @@ import onnx
 from enginekit.config import ShapeProfile
 from enginekit.engine import TensorSpec
 from enginekit.errors import BuildError, ModelError
+from enginekit.quiet import ort_severity, quiet_onnxruntime
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +234,8 @@ def reference_session(model: Model, threads: int = 0) -> Any:
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     opts.intra_op_num_threads = threads
-    opts.log_severity_level = 3
+    quiet_onnxruntime()
+    opts.log_severity_level = ort_severity()
     try:
         return ort.InferenceSession(model.to_bytes(), opts, providers=["CPUExecutionProvider"])
     except Exception as exc:

@@ -19,6 +19,7 @@ from enginekit import target
 from enginekit.backends import Availability, BuildResult
 from enginekit.engine import Engine, TensorSpec
 from enginekit.errors import BackendUnavailable, BuildError
+from enginekit.quiet import ort_severity, quiet_onnxruntime
 
 if TYPE_CHECKING:
     from enginekit.artifact import Artifact
@@ -148,7 +149,8 @@ def _trt_options(
 def _session_options(options: dict[str, Any], level: str) -> Any:
     ort = _ort()
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    quiet_onnxruntime()
+    so.log_severity_level = ort_severity()
     so.graph_optimization_level = {
         "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,

@@ -33,7 +33,8 @@ from enginekit.calibration.writers import write_qdq
 from enginekit.config import BuildConfig, Precision
 from enginekit.engine import Engine
 from enginekit.errors import BuildError
-from enginekit.model import Model, load_model, random_feeds
+from enginekit.feeds import make_feeds
+from enginekit.model import Model, load_model
 from enginekit.progress import step
 from enginekit.verify import verification_points
 
@@ -104,7 +105,7 @@ def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -
             name
             for name, value in (
                 ("calibration", q.calibration), ("calib_data", q.calib_data),
-                ("verify_data", q.verify_data), ("min_top1_agreement", q.gates.min_top1_agreement),
+                ("min_top1_agreement", q.gates.min_top1_agreement),
                 ("max_abs_error", q.gates.max_abs_error),
             )
             if value is not None
@@ -147,6 +148,16 @@ def _profile(config: BuildConfig) -> Mapping[str, Any] | None:
     return config.profiles[0] if len(config.profiles) == 1 else None
 
 
+def verify_batches(
+    data: Any, model: Model, config: BuildConfig
+) -> list[dict[str, np.ndarray]] | None:
+    """``verify_data`` read into checked batches for ``model``'s inputs (None when not given):
+    any source ``enginekit.calibrate`` takes, up to 1024 samples."""
+    if data is None:
+        return None
+    return list(batches(data, model.inputs, DEFAULT_BATCH, VERIFY_CAP, _profile(config)))
+
+
 def verify(
     engine: Engine, model: Model, config: BuildConfig, quantized: Quantized, q: Quantization
 ) -> dict[str, Any]:
@@ -173,7 +184,7 @@ def verify(
         )
         points = verification_points(model, engine.profiles)
         data = iter(
-            random_feeds(model.inputs, s, seed=config.seed + i) for i, s in enumerate(points)
+            make_feeds(model, s, seed=config.seed + i) for i, s in enumerate(points)
         )
         label = "random inputs (no held-out data; only max_abs_error is checked)"
     with step(f"verifying int8 against float32 on {label}"):
@@ -190,4 +201,5 @@ __all__ = [
     "has_qdq",
     "quantize",
     "verify",
+    "verify_batches",
 ]
