@@ -392,7 +392,9 @@ def summarize(report: Mapping[str, Any]) -> str:
     for case in report.get("cases", []):
         for name, o in case["outputs"].items():
             if not o["passed"]:
-                detail = o.get("error") or _error_text(o)
+                detail = _error_text(o)
+                if o.get("error"):
+                    detail = f"{o['error']} ({detail})"
                 lines.append(f"output {name!r} at {case['shapes']}: {detail}")
     return "; ".join(lines)
 
