@@ -104,7 +104,9 @@ def find_uses(proto: onnx.ModelProto, names: list[str]) -> dict[str, list[Use]]:
                     )  # fmt: skip
                 passing = _PASS.get(node.op_type, ())
                 if node.op_type in _PASS and (passing is None or slot in passing):
-                    todo.extend((out, exact) for out in node.output if out)
+                    # Concat mixes the value with others: what arrives is no longer all of it.
+                    keep = exact and node.op_type not in ("Concat", "Max", "Min")
+                    todo.extend((out, keep) for out in node.output if out)
                 elif node.op_type in _ARITH:
                     todo.extend((out, False) for out in node.output if out)
         if found:

@@ -155,7 +155,26 @@ def verify_batches(
     any source ``enginekit.calibrate`` takes, up to 1024 samples."""
     if data is None:
         return None
+    whole = _one_set(data, model)
+    if whole is not None:
+        return [whole]
     return list(batches(data, model.inputs, DEFAULT_BATCH, VERIFY_CAP, _profile(config)))
+
+
+def _one_set(data: Any, model: Model) -> dict[str, np.ndarray] | None:
+    """Arrays that are exactly one input set (every input, each of its input's rank): used as
+    given, also for inputs without a batch dim (shapes, indices, scalars)."""
+    specs = model.inputs
+    if isinstance(data, np.ndarray) and len(specs) == 1:
+        data = {specs[0].name: data}
+    if not isinstance(data, Mapping) or set(data) != {s.name for s in specs}:
+        return None
+    arrays = {s.name: np.asarray(data[s.name]) for s in specs}
+    if any(arrays[s.name].ndim != len(s.shape) for s in specs):
+        return None
+    if any(a.dtype != np.dtype(s.dtype) for s, a in zip(specs, arrays.values())):
+        return None  # the batch reader says what is wrong
+    return arrays
 
 
 def verify(
