@@ -210,7 +210,8 @@ def concrete_shapes(
 def random_feeds(
     specs: Sequence[TensorSpec], shapes: Mapping[str, tuple[int, ...]], seed: int = 0
 ) -> dict[str, np.ndarray]:
-    """Random inputs of the given shapes: normal floats, 0/1 integers (safe as ids and masks)."""
+    """Random inputs of the given shapes: normal floats, 0/1 integers (safe as ids and masks),
+    short words for string tensors."""
     rng = np.random.default_rng(seed)
     feeds = {}
     for s in specs:
@@ -222,6 +223,9 @@ def random_feeds(
             feeds[s.name] = rng.integers(0, 2, shape).astype(dtype)
         elif dtype.kind == "b":
             feeds[s.name] = rng.integers(0, 2, shape).astype(bool)
+        elif dtype.kind in "OUS":  # ONNX string tensors: short lowercase words
+            words = np.array(["alpha", "beta", "gamma", "delta", "monday", "the", "a"], object)
+            feeds[s.name] = words[rng.integers(0, len(words), shape)].astype(object)
         else:
             raise BuildError(f"input {s.name!r}: cannot make random data of dtype {s.dtype}")
     return feeds

@@ -197,11 +197,22 @@ def check_output(
         )
     if ref.size == 0:
         return OutputCheck(name, True, tuple(ref.shape), allclose=True, rule=rule)
+    if ref.dtype.kind in "OUS" or got.dtype.kind in "OUS":  # strings: equal or not
+        same = got.astype(str) == ref.astype(str)
+        return OutputCheck(
+            name,
+            bool(same.all()),
+            tuple(ref.shape),
+            allclose=bool(same.all()),
+            rule=rule,
+            mismatch=float(1.0 - same.mean()),
+            error=None if same.all() else f"{int((~same).sum())} strings differ",
+        )
     g = got.astype(np.float64)
     r = ref.astype(np.float64)
     g_nan, r_nan = np.isnan(g), np.isnan(r)
     with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.abs(g - r)
+        diff = np.array(np.abs(g - r), dtype=np.float64)  # an array for 0-d outputs too
     diff[g == r] = 0.0  # equal infinities: inf - inf would be NaN
     diff[g_nan & r_nan] = 0.0 if equal_nan else np.inf
     diff[np.isnan(diff)] = np.inf  # NaN on one side only
