@@ -30,7 +30,7 @@ log = logging.getLogger("enginekit.native")
 NATIVE_LINE = re.compile(
     r"^\s*(\x1b\[[0-9;]*m)?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ \[[VIWEF]:onnxruntime:"  # ORT
     r"|^\s*(\x1b\[[0-9;]*m)?\[[VIWEF]:onnxruntime:"
-    r"|^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ "  # absl / glog (XLA, TensorFlow)
+    r"|^[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\]"  # absl / glog (XLA, TensorFlow)
     r"|^WARNING: All log messages before absl::InitializeLog"
     r"|BlockBuilder destroyed|Error converting operator|^\[\d\d:\d\d:\d\d\] \S+\.cc:\d+: "  # TVM
 )
@@ -90,11 +90,9 @@ def native_stderr(what: str) -> Iterator[None]:
         yield
         return
     try:
-        try:
-            fd = sys.stderr.fileno()
-        except (AttributeError, OSError, ValueError):  # a replaced sys.stderr without an fd
-            fd = 2
-        sys.stderr.flush()
+        fd = 2  # where native libraries write, whatever sys.stderr is now
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
         saved = os.dup(fd)
         with tempfile.TemporaryFile() as tmp:
             os.dup2(tmp.fileno(), fd)
