@@ -113,7 +113,8 @@ def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -
         if given:
             raise BuildError(
                 f"{', '.join(given)}: for precision='int8'; this build is "
-                f"{config.precision.value}, verified at a tolerance (atol=, rtol=)"
+                f"{config.precision.value}, verified against ONNX Runtime CPU at a tolerance (atol=, "
+                "rtol=, min_cosine=; docs/verification.md)"
             )
         return Quantized(model)
     if q.calibration is not None and q.calib_data is not None:
