@@ -423,8 +423,7 @@ def _write_unloaded(
 
 
 def _name(checked: Checked) -> str:
-    model = checked.model
-    return str(model.path) if model.path else f"model {model.proto.graph.name or '(unnamed)'!r}"
+    return checked.model.label
 
 
 def _what(checked: Checked, config: BuildConfig) -> str:

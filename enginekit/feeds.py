@@ -295,4 +295,4 @@ def _search(
 
 def model_name(model: Model) -> str:
     """How messages name a model: its file, or its graph's name."""
-    return str(model.path) if model.path else f"model {model.proto.graph.name or '(unnamed)'!r}"
+    return model.label

@@ -107,6 +107,11 @@ class Model:
         """(domain, op_type) of every node of the main graph, in order."""
         return [(n.domain or "ai.onnx", n.op_type) for n in self.proto.graph.node]
 
+    @property
+    def label(self) -> str:
+        """How messages name the model: its file, or its graph's name."""
+        return str(self.path) if self.path else f"model {self.proto.graph.name or '(unnamed)'!r}"
+
     def to_bytes(self) -> bytes:
         """The serialized model (weights inline)."""
         return self.proto.SerializeToString()
