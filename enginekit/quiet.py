@@ -9,13 +9,16 @@ everything.
 - :func:`ort_severity` is the ``log_severity_level`` for every ONNX Runtime session enginekit
   creates; :func:`quiet_onnxruntime` also sets ONNX Runtime's default logger.
 - :func:`native_stderr` wraps a call into a native library: while it runs, fd 2 goes to a
-  temporary file; afterwards native log lines go to ``logging`` at DEBUG and every other line
-  (Python warnings, enginekit's own log records) is written to stderr as it would have been.
+  temporary file and Python's ``sys.stdout`` to a buffer (TVM's ONNX frontend ``print()``s
+  "Error converting operator ..."); afterwards native log lines go to ``logging`` at DEBUG and
+  every other line (Python warnings, enginekit's own log records, other output) is written
+  where it would have gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import re
@@ -94,11 +97,16 @@ def native_stderr(what: str) -> Iterator[None]:
         with contextlib.suppress(Exception):
             sys.stderr.flush()
         saved = os.dup(fd)
+        out = io.StringIO()  # TVM's ONNX frontend print()s its conversion errors to stdout
         with tempfile.TemporaryFile() as tmp:
             os.dup2(tmp.fileno(), fd)
             try:
-                yield
+                with contextlib.redirect_stdout(out):
+                    yield
             finally:
+                kept = filter_native(out.getvalue(), what)
+                if kept:
+                    sys.stdout.write(kept)
                 with contextlib.suppress(Exception):
                     sys.stderr.flush()
                 os.dup2(saved, fd)
