@@ -225,7 +225,9 @@ def run(
         report["backends"][b] = {
             "passed": sum(v["error"] is None for v in res.values()),
             "failed_where_raw_passes": failed,
-            "verified_on_data": sorted(k for k, v in res.items() if v["verified_on"] != "generated inputs"),
+            "verified_on_data": sorted(
+                k for k, v in res.items() if v["verified_on"] != "generated inputs"
+            ),
         }
     return report
 
@@ -250,11 +252,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2))
         return 0
     absent = f" (not in this onnx wheel: {', '.join(report['absent'])})" if report["absent"] else ""
-    print(f"onnx {report['onnx']} backend test data: {report['cases']} cases{absent}, {report['seconds']} s")
+    print(
+        f"onnx {report['onnx']} backend test data: {report['cases']} cases{absent}, {report['seconds']} s"
+    )
     print(f"raw onnxruntime: {report['raw_onnxruntime']['passed']} of {report['cases']} pass")
     for b, r in report["backends"].items():
-        print(f"enginekit {b}: {r['passed']} of the {report['raw_onnxruntime']['passed']} raw ONNX Runtime passes"
-              + (f" ({len(r['verified_on_data'])} verified on the case's inputs when asked)" if r["verified_on_data"] else ""))
+        print(
+            f"enginekit {b}: {r['passed']} of the {report['raw_onnxruntime']['passed']} raw ONNX Runtime passes"
+            + (
+                f" ({len(r['verified_on_data'])} verified on the case's inputs when asked)"
+                if r["verified_on_data"]
+                else ""
+            )
+        )
         for k, e in sorted(r["failed_where_raw_passes"].items()):
             print(f"  FAIL {k}: {e}")
     return 0

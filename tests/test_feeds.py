@@ -49,14 +49,23 @@ def test_expand_reshape_tile_range_topk_slice_get_valid_values():
             h.make_node("ConstantOfShape", ["cshape"], ["c"]),
         ],
         [
-            vi("x", F, [2, 3, 4]), vi("eshape", I64, [3]), vi("rshape", I64, [2]),
-            vi("reps", I64, [3]), vi("start", I64, []), vi("limit", I64, []),
-            vi("delta", I64, []), vi("k", I64, [1]), vi("starts", I64, [1]),
-            vi("ends", I64, [1]), vi("cshape", I64, [2]),
-        ],  # fmt: skip
+            vi("x", F, [2, 3, 4]),
+            vi("eshape", I64, [3]),
+            vi("rshape", I64, [2]),
+            vi("reps", I64, [3]),
+            vi("start", I64, []),
+            vi("limit", I64, []),
+            vi("delta", I64, []),
+            vi("k", I64, [1]),
+            vi("starts", I64, [1]),
+            vi("ends", I64, [1]),
+            vi("cshape", I64, [2]),
+        ],
         [vi(n, I64 if n == "rg" else F, None) for n in ("e", "r", "t", "rg", "tv", "s", "c")],
     )
-    shapes = {i.name: tuple(d.dim_value for d in i.type.tensor_type.shape.dim) for i in m.graph.input}
+    shapes = {
+        i.name: tuple(d.dim_value for d in i.type.tensor_type.shape.dim) for i in m.graph.input
+    }
     feeds = make_feeds(load_model(m), shapes)
     assert feeds["eshape"].tolist() == [1, 1, 1] and feeds["reps"].tolist() == [1, 1, 1]
     assert feeds["rshape"].tolist() == [2, -1] and feeds["k"].tolist() == [1]
@@ -75,7 +84,10 @@ def test_shape_arithmetic_chain_into_reshape_is_found_and_tried():
         ],
         [vi("x", F, [6, 4]), vi("n", I64, [])],
         [vi("y", F, None)],
-        [nh.from_array(np.array([0], np.int64), "zero"), nh.from_array(np.array([-1], np.int64), "minus1")],  # fmt: skip
+        [
+            nh.from_array(np.array([0], np.int64), "zero"),
+            nh.from_array(np.array([-1], np.int64), "minus1"),
+        ],
     )
     uses = find_uses(m, ["n"])
     assert [(u.op, u.slot, u.exact) for u in uses["n"]] == [("Reshape", 1, False)]

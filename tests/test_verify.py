@@ -4,11 +4,10 @@ infinities, top-k. The scaled rule (the default) is tested in test_verify_rule.p
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import numpy as np
 import pytest
-
-from functools import partial
 
 from enginekit import verify
 from enginekit.verify import compare_outputs, summarize

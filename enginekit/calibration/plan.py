@@ -203,9 +203,7 @@ def verify(
             "accuracy check on real data"
         )
         points = verification_points(model, engine.profiles)
-        data = iter(
-            make_feeds(model, s, seed=config.seed + i) for i, s in enumerate(points)
-        )
+        data = iter(make_feeds(model, s, seed=config.seed + i) for i, s in enumerate(points))
         label = "random inputs (no held-out data; only max_abs_error is checked)"
     with step(f"verifying int8 against float32 on {label}"):
         report = accuracy_report(engine, model, data, q.gates, label)

@@ -155,7 +155,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def _scaled_text(verify: dict[str, Any]) -> str:
-    """", 2.6e-07 of the output's scale, cosine 1" for the worst output of a report."""
+    """ ", 2.6e-07 of the output's scale, cosine 1" for the worst output of a report."""
     worst = verify.get("worst") or {}
     errors = [o.get("scaled_error") for o in worst.values()]
     cosines = [o.get("cosine") for o in worst.values() if o.get("cosine") is not None]
