@@ -18,6 +18,7 @@ everything.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import os
@@ -25,6 +26,7 @@ import re
 import sys
 import tempfile
 import threading
+import traceback
 from collections.abc import Iterator
 
 log = logging.getLogger("enginekit.native")
@@ -82,6 +84,22 @@ def filter_native(text: str, what: str) -> str:
     return "".join(kept)
 
 
+def _free_native(exc: BaseException) -> None:
+    """Let native objects held by the frames of exceptions chained to ``exc`` be freed now,
+    while stderr is still redirected: TVM's BlockBuilder warns when it is destroyed, and a
+    failed conversion's builder lives as long as the traceback that holds it."""
+    seen: set[int] = set()
+    todo = [exc.__context__, exc.__cause__]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # skips frames still running
+        todo += [e.__context__, e.__cause__]
+    gc.collect()
+
+
 @contextlib.contextmanager
 def native_stderr(what: str) -> Iterator[None]:
     """Keep native log lines written to fd 2 during the block off stderr (unless verbose).
@@ -103,6 +121,9 @@ def native_stderr(what: str) -> Iterator[None]:
             try:
                 with contextlib.redirect_stdout(out):
                     yield
+            except BaseException as exc:
+                _free_native(exc)
+                raise
             finally:
                 kept = filter_native(out.getvalue(), what)
                 if kept:
