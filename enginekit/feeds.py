@@ -117,15 +117,28 @@ def find_uses(proto: onnx.ModelProto, names: list[str]) -> dict[str, list[Use]]:
 def _known_shapes(model: Model, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple]:
     """Static shapes of the graph's tensors with the inputs at ``shapes`` (onnx shape
     inference on a copy whose large weights are typed inputs, so nothing big is copied)."""
-    graph = model.proto.graph
     known: dict[str, tuple] = {k: tuple(v) for k, v in shapes.items()}
+    known.update((init.name, tuple(init.dims)) for init in model.proto.graph.initializer)
+    try:
+        inferred = _infer_light(model, shapes)
+    except Exception as exc:  # an inference failure leaves the walk with fewer known dims
+        log.debug("%s: shape inference for verification inputs failed: %s", model.label, exc)
+        return known
+    for vi in inferred.graph.value_info:
+        dims = vi.type.tensor_type.shape.dim
+        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            known[vi.name] = tuple(int(d.dim_value) for d in dims)
+    return known
+
+
+def _infer_light(model: Model, shapes: Mapping[str, tuple[int, ...]]) -> onnx.ModelProto:
+    graph = model.proto.graph
     light = onnx.helper.make_graph([], graph.name or "g", [], list(graph.output))
     light.node.extend(graph.node)
     for spec in model.inputs:
         elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(spec.dtype))
         light.input.append(onnx.helper.make_tensor_value_info(spec.name, elem, shapes[spec.name]))
     for init in graph.initializer:
-        known[init.name] = tuple(init.dims)
         if np.prod(init.dims, dtype=np.int64) <= 64:
             light.initializer.append(init)
         else:
@@ -134,16 +147,8 @@ def _known_shapes(model: Model, shapes: Mapping[str, tuple[int, ...]]) -> dict[s
             )
     m = onnx.helper.make_model(light, opset_imports=list(model.proto.opset_import))
     m.ir_version = model.proto.ir_version
-    try:
-        inferred = onnx.shape_inference.infer_shapes(m, data_prop=True)
-    except Exception as exc:  # an inference failure leaves the walk with fewer known dims
-        log.debug("shape inference for verification inputs failed: %s", exc)
-        return known
-    for vi in inferred.graph.value_info:
-        dims = vi.type.tensor_type.shape.dim
-        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
-            known[vi.name] = tuple(int(d.dim_value) for d in dims)
-    return known
+    m.functions.extend(model.proto.functions)
+    return onnx.shape_inference.infer_shapes(m, data_prop=True)
 
 
 def _constant(proto: onnx.ModelProto, name: str) -> np.ndarray | None:

@@ -241,7 +241,8 @@ def _build_trt(
 ) -> BuildResult:
     """TensorRT EP: save a provider-neutral graph, then let a session build the TensorRT
     engines into a cache directory whose files become payload files."""
-    from enginekit.model import concrete_shapes, random_feeds
+    from enginekit.feeds import make_feeds
+    from enginekit.model import concrete_shapes
 
     ort = _ort()
     # Above 'basic', ORT writes CPU-specific ops TensorRT cannot take; and a session with the
@@ -275,7 +276,7 @@ def _build_trt(
     # One run per profile at its opt shapes: every engine is built and cached now, not at load.
     for profile in config.profiles or [None]:
         shapes = concrete_shapes(model.inputs, profile, "opt")
-        session.run(None, random_feeds(model.inputs, shapes, config.seed))
+        session.run(None, make_feeds(model, shapes, config.seed))
     files = sorted(f"trt_cache/{p.name}" for p in cache.iterdir() if p.is_file())
     return BuildResult(
         files=(PAYLOAD, *files),
