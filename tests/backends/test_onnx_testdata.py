@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _runner():
     spec = importlib.util.spec_from_file_location(
-        "onnx_testdata", ROOT / "benchmarks" / "onnx_testdata.py"
+        "benchmarks_onnx_testdata", ROOT / "benchmarks" / "onnx_testdata.py"
     )
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("onnx_testdata", module)  # dataclasses look their module up
+    sys.modules.setdefault("benchmarks_onnx_testdata", module)  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
