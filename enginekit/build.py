@@ -331,8 +331,9 @@ def _stage(compiled: Compiled, manifest: dict[str, Any]) -> Artifact:
 def _verify(
     engine: Engine, request: Request, checked: Checked, graph: Graph
 ) -> dict[str, Any] | None:
-    """The engine checked against its reference: accuracy gates on data for int8, ONNX
-    Runtime CPU at a tolerance otherwise. Returns the report (None when verify is off).
+    """The engine checked against its reference: accuracy gates on data for int8, otherwise
+    ONNX Runtime CPU under ``config.verification`` (the scaled rule by default) on generated
+    inputs or ``verify_data``. Returns the report (None when verify is off).
 
     Raises:
         VerificationError: the engine failed (it is closed first).
