@@ -184,7 +184,10 @@ def _value(
             bound = data[use.axis % len(data)]
         if bound <= 0:
             return None
-        return rng.integers(0, bound, shape).astype(dtype)
+        ids = rng.integers(0, bound, shape).astype(dtype)
+        if ids.size >= 2:  # both ends of the range, where off-by-one and edge rows show
+            ids.flat[0], ids.flat[-1] = 0, bound - 1
+        return ids
     if kind == "index_nd":
         if data is None or not shape:
             return None

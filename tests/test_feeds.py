@@ -34,6 +34,7 @@ def test_token_ids_of_an_embedding_stay_below_the_vocabulary():
     )
     feeds = make_feeds(load_model(m), {"ids": (4, 7)})
     assert feeds["ids"].max() < 300 and feeds["ids"].max() > 1  # spread, not only 0/1
+    assert feeds["ids"].min() == 0 and feeds["ids"].max() == 299  # both ends of the vocabulary
     ek.build(m, shapes={"ids": [(1, 7), (2, 7), (4, 7)]}).close()
 
 

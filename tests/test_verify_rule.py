@@ -180,3 +180,29 @@ def test_failure_message_names_the_model_and_the_scaled_numbers(monkeypatch, tmp
         ek.build(path, backend="scaled_weight")
     text = str(info.value)
     assert str(path) in text and "max|ref|" in text and "cosine" in text
+
+
+def test_a_changed_first_embedding_row_fails_because_token_ids_cover_the_vocabulary_ends(
+    monkeypatch,
+):
+    # broken_backend adds 1.0 to the first element of the largest weight: here row 0 of the
+    # embedding table, which only token id 0 reads.
+    monkeypatch.setitem(backends._BUILTIN, "broken", "broken_backend")
+    rng = np.random.default_rng(0)
+    graph = h.make_graph(
+        [
+            h.make_node("Gather", ["emb", "ids"], ["e"]),
+            h.make_node("ReduceMean", ["e", "axes"], ["y"], keepdims=0),  # opset 18: axes input
+        ],
+        "embedding",
+        [h.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 6])],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+        [
+            nh.from_array(rng.standard_normal((5000, 8)).astype(np.float32), "emb"),
+            nh.from_array(np.array([1], np.int64), "axes"),
+        ],
+    )
+    m = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    assert ek.build(m).manifest["verify"]["passed"]
+    with pytest.raises(ek.VerificationError):
+        ek.build(m, backend="broken")
