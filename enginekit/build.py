@@ -44,6 +44,7 @@ from enginekit.errors import BuildError, EnginekitError, VerificationError
 from enginekit.model import Model, ModelSource, check_profiles, load_model
 from enginekit.passes import PassRecord, count_nodes, prepare
 from enginekit.progress import step
+from enginekit.quiet import native_stderr
 from enginekit.verify import summarize, verify_engine
 from enginekit.version import __version__
 
@@ -133,6 +134,8 @@ def build(
     calib_data: Any = None,
     calib_method: str = "entropy",
     verify_data: Any = None,
+    rule: str = "scaled",
+    min_cosine: float | None = None,
     min_top1_agreement: float | None = None,
     max_abs_error: float | None = None,
     allow_table_mismatch: bool = False,
@@ -149,7 +152,7 @@ def build(
         output: where to write the artifact (``.ekit`` file, or a directory path ending in ``/``).
         device: ``cpu`` or ``cuda[:N]``.
         verify: compare with ONNX Runtime CPU at build time; a mismatch raises VerificationError.
-        atol, rtol: verification tolerance (default: the precision's).
+        atol, rtol: verification tolerance (default: the precision's for ``rule``).
         config: a complete BuildConfig instead of the arguments above (``**options`` are
             added to its options).
         simplify: fold constants and simplify the graph first (recorded in manifest["passes"]);
@@ -159,7 +162,14 @@ def build(
         calib_data: int8: calibration data to calibrate on the fly (any source
             ``enginekit.calibrate`` takes); every 10th sample is held out for verification.
         calib_method: int8 with calib_data: entropy (default), percentile or minmax.
-        verify_data: int8: data to verify the engine on against the float32 model.
+        verify_data: data to verify the engine on (any precision): arrays, a mapping input
+            name -> array, an ``.npz``, a folder of ``.npy``/``.npz``, or an iterable of
+            batches. Without it, generated inputs (valid values for integer shape/index
+            inputs; int8: the samples held out of ``calib_data``).
+        rule: verification rule: ``scaled`` (error relative to each output's scale, plus
+            cosine similarity) or ``elementwise`` (``atol + rtol*|ref|`` per element); see
+            docs/verification.md.
+        min_cosine: cosine-similarity floor of the scaled rule (default: the precision's).
         min_top1_agreement, max_abs_error: accuracy gates on the verification data (int8); a
             miss raises VerificationError.
         allow_table_mismatch: accept a calibration table made for another model hash.
@@ -182,6 +192,8 @@ def build(
             options=options,
             simplify=simplify,
             outputs=tuple(outputs),
+            rule=rule,
+            min_cosine=min_cosine,
         )
     elif options:
         config = dataclasses.replace(config, options={**config.options, **options})
@@ -202,8 +214,9 @@ def build(
         if compiled.cross_compiled:  # code for another host: written, neither loaded nor verified
             return _write_unloaded(manifest, compiled, output)
         staged = _stage(compiled, manifest)
-        engine = checked.backend.load(staged, config.device)
-        report = _verify(engine, request, checked, graph)
+        with native_stderr(_what(checked, config)):
+            engine = checked.backend.load(staged, config.device)
+            report = _verify(engine, request, checked, graph)
         return _write(engine, {**staged.manifest, "verify": report}, compiled, output)
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -260,7 +273,7 @@ def _prepare_graph(checked: Checked, quantized: plan.Quantized, config: BuildCon
 def _compile(checked: Checked, graph: Graph, config: BuildConfig, workdir: Path) -> Compiled:
     """The backend's build: payload files into ``workdir``; may be slow."""
     start = time.perf_counter()
-    with step(f"building {config.backend} engine"):
+    with step(f"building {config.backend} engine"), native_stderr(_what(checked, config)):
         result = checked.backend.build(graph.model, config, workdir)
     return Compiled(workdir, result, time.perf_counter() - start)
 
@@ -318,8 +331,9 @@ def _stage(compiled: Compiled, manifest: dict[str, Any]) -> Artifact:
 def _verify(
     engine: Engine, request: Request, checked: Checked, graph: Graph
 ) -> dict[str, Any] | None:
-    """The engine checked against its reference: accuracy gates on data for int8, ONNX
-    Runtime CPU at a tolerance otherwise. Returns the report (None when verify is off).
+    """The engine checked against its reference: accuracy gates on data for int8, otherwise
+    ONNX Runtime CPU under ``config.verification`` (the scaled rule by default) on generated
+    inputs or ``verify_data``. Returns the report (None when verify is off).
 
     Raises:
         VerificationError: the engine failed (it is closed first).
@@ -334,11 +348,20 @@ def _verify(
             + "; ".join(report["failures"])
         )
     else:
+        data = plan.verify_batches(request.quant.verify_data, graph.reference, config)
         with step("verifying against ONNX Runtime CPU"):
-            report = verify_engine(engine, graph.reference, config)
+            report = verify_engine(engine, graph.reference, config, data)
+        tol = config.verification
+        limits = (
+            f"rtol={tol.rtol} of each output's scale max|ref| (atol={tol.atol}), cosine >= "
+            f"{tol.min_cosine}"
+            if tol.rule == "scaled"
+            else f"atol={tol.atol}, rtol={tol.rtol} per element"
+        )
         failure = (
-            f"the {config.backend} engine disagrees with the reference past atol="
-            f"{report['atol']}, rtol={report['rtol']}: {summarize(report)}"
+            f"the {config.backend} engine built from {_name(checked)} disagrees with the "
+            f"reference (ONNX Runtime CPU) past the {tol.rule} rule's {limits}: "
+            f"{summarize(report)}"
         )
     if not report["passed"]:
         engine.close()
@@ -398,6 +421,14 @@ def _write_unloaded(
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _name(checked: Checked) -> str:
+    return checked.model.label
+
+
+def _what(checked: Checked, config: BuildConfig) -> str:
+    return f"{_name(checked)} on {config.backend}"
 
 
 def _toolchain() -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,13 +26,99 @@ class Precision(str, enum.Enum):
         return self.value
 
 
-#: Default verification tolerance (atol, rtol) per precision; |engine - ref| <= atol + rtol * |ref|.
+#: Verification rules (docs/verification.md). ``scaled``: per output,
+#: ``max|engine - ref| <= atol + rtol * max|ref|`` and cosine similarity >= the floor;
+#: ``elementwise``: every element ``|engine - ref| <= atol + rtol * |ref|`` (the numpy rule).
+RULES = ("scaled", "elementwise")
+
+#: Default (atol, rtol) of the ``elementwise`` rule per precision.
 DEFAULT_TOLERANCE: dict[Precision, tuple[float, float]] = {
     Precision.FP32: (1e-4, 1e-3),
     Precision.FP16: (1e-2, 1e-2),
     Precision.BF16: (5e-2, 5e-2),
     Precision.INT8: (1e-1, 1e-1),
 }
+
+#: Default (atol, rtol) of the ``scaled`` rule per precision: rtol is relative to the output's
+#: scale max|ref|; atol is a floor for outputs that are all (near) zero. Why these numbers:
+#: docs/verification.md.
+SCALED_TOLERANCE: dict[Precision, tuple[float, float]] = {
+    Precision.FP32: (1e-6, 1e-4),
+    Precision.FP16: (1e-4, 2e-2),
+    Precision.BF16: (1e-3, 6e-2),
+    Precision.INT8: (1e-2, 2e-1),
+}
+
+#: Default cosine-similarity floor of the ``scaled`` rule per precision.
+MIN_COSINE: dict[Precision, float] = {
+    Precision.FP32: 0.9999,
+    Precision.FP16: 0.999,
+    Precision.BF16: 0.99,
+    Precision.INT8: 0.95,
+}
+
+
+def check_rule(rule: str) -> str:
+    """The rule name, checked.
+
+    Raises:
+        BuildError: not one of :data:`RULES` (with the closest name).
+    """
+    if rule not in RULES:
+        close = difflib.get_close_matches(str(rule), RULES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise BuildError(f"verification rule {rule!r} is not one of {', '.join(RULES)}{hint}")
+    return rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """How verification judges each output against the reference.
+
+    Attributes:
+        rule: ``scaled`` (error relative to the output's scale, plus cosine similarity) or
+            ``elementwise`` (``|engine - ref| <= atol + rtol * |ref|`` for every element).
+        atol: absolute floor.
+        rtol: relative tolerance: to ``max|ref|`` (scaled) or to each ``|ref|`` (elementwise).
+        min_cosine: cosine-similarity floor for float outputs (None: not gated).
+    """
+
+    rule: str = "scaled"
+    atol: float = SCALED_TOLERANCE[Precision.FP32][0]
+    rtol: float = SCALED_TOLERANCE[Precision.FP32][1]
+    min_cosine: float | None = MIN_COSINE[Precision.FP32]
+
+    def __post_init__(self) -> None:
+        check_rule(self.rule)
+        for name in ("atol", "rtol"):
+            if not getattr(self, name) >= 0:
+                raise BuildError(f"{name}={getattr(self, name)}: expected a number >= 0")
+        c = self.min_cosine
+        if c is not None and not -1.0 <= c <= 1.0:
+            raise BuildError(f"min_cosine={c}: expected a number in [-1, 1], e.g. 0.9999")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def default_tolerance(
+    precision: Precision | str,
+    rule: str = "scaled",
+    atol: float | None = None,
+    rtol: float | None = None,
+    min_cosine: float | None = None,
+) -> Tolerance:
+    """The rule's defaults for the precision, with any of atol, rtol, min_cosine overridden."""
+    precision = Precision(precision)
+    table = SCALED_TOLERANCE if check_rule(rule) == "scaled" else DEFAULT_TOLERANCE
+    d_atol, d_rtol = table[precision]
+    d_cos = MIN_COSINE[precision] if rule == "scaled" else None
+    return Tolerance(
+        rule,
+        d_atol if atol is None else atol,
+        d_rtol if rtol is None else rtol,
+        d_cos if min_cosine is None else min_cosine,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +275,9 @@ class BuildConfig:
         precision: fp32, fp16, bf16 or int8.
         device: ``cpu``, ``cuda`` or ``cuda:N``.
         verify: run the built engine against the ONNX Runtime CPU reference at build time.
-        atol, rtol: verification tolerance; None takes the precision's default.
+        atol, rtol: verification tolerance; None takes the precision's default for ``rule``.
+        rule: verification rule: ``scaled`` (default) or ``elementwise`` (docs/verification.md).
+        min_cosine: cosine-similarity floor of the scaled rule; None takes the precision's.
         seed: seed of the random verification inputs.
         options: backend-specific options (each backend documents and validates its own).
         simplify: simplify the graph before the backend builds it (enginekit.passes.simplify).
@@ -203,6 +292,8 @@ class BuildConfig:
     atol: float | None = None
     rtol: float | None = None
     seed: int = 0
+    rule: str = "scaled"
+    min_cosine: float | None = None
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     simplify: bool = True
     outputs: tuple[str, ...] = ()
@@ -216,14 +307,20 @@ class BuildConfig:
                 f"precision {self.precision!r} is not one of "
                 f"{', '.join(p.value for p in Precision)}"
             ) from None
+        check_rule(self.rule)
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise BuildError(f"device {self.device!r}: expected 'cpu', 'cuda' or 'cuda:N'")
 
     @property
     def tolerance(self) -> tuple[float, float]:
-        """(atol, rtol) used by build-time verification."""
-        atol, rtol = DEFAULT_TOLERANCE[self.precision]
-        return (atol if self.atol is None else self.atol, rtol if self.rtol is None else self.rtol)
+        """(atol, rtol) used by build-time verification, under :attr:`rule`."""
+        t = self.verification
+        return (t.atol, t.rtol)
+
+    @property
+    def verification(self) -> Tolerance:
+        """The whole verification tolerance: rule, atol, rtol, cosine floor."""
+        return default_tolerance(self.precision, self.rule, self.atol, self.rtol, self.min_cosine)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict that :meth:`from_json` turns back into an equal config."""
@@ -236,6 +333,8 @@ class BuildConfig:
             "atol": self.atol,
             "rtol": self.rtol,
             "seed": self.seed,
+            "rule": self.rule,
+            "min_cosine": self.min_cosine,
             "options": dict(self.options),
             "simplify": self.simplify,
             "outputs": list(self.outputs),

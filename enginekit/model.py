@@ -16,6 +16,7 @@ import onnx
 from enginekit.config import ShapeProfile
 from enginekit.engine import TensorSpec
 from enginekit.errors import BuildError, ModelError
+from enginekit.quiet import ort_severity, quiet_onnxruntime
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,11 @@ class Model:
     def ops(self) -> list[tuple[str, str]]:
         """(domain, op_type) of every node of the main graph, in order."""
         return [(n.domain or "ai.onnx", n.op_type) for n in self.proto.graph.node]
+
+    @property
+    def label(self) -> str:
+        """How messages name the model: its file, or its graph's name."""
+        return str(self.path) if self.path else f"model {self.proto.graph.name or '(unnamed)'!r}"
 
     def to_bytes(self) -> bytes:
         """The serialized model (weights inline)."""
@@ -209,7 +215,8 @@ def concrete_shapes(
 def random_feeds(
     specs: Sequence[TensorSpec], shapes: Mapping[str, tuple[int, ...]], seed: int = 0
 ) -> dict[str, np.ndarray]:
-    """Random inputs of the given shapes: normal floats, 0/1 integers (safe as ids and masks)."""
+    """Random inputs of the given shapes: normal floats, 0/1 integers (safe as ids and masks),
+    short words for string tensors."""
     rng = np.random.default_rng(seed)
     feeds = {}
     for s in specs:
@@ -221,6 +228,9 @@ def random_feeds(
             feeds[s.name] = rng.integers(0, 2, shape).astype(dtype)
         elif dtype.kind == "b":
             feeds[s.name] = rng.integers(0, 2, shape).astype(bool)
+        elif dtype.kind in "OUS":  # ONNX string tensors: short lowercase words
+            words = np.array(["alpha", "beta", "gamma", "delta", "monday", "the", "a"], object)
+            feeds[s.name] = words[rng.integers(0, len(words), shape)].astype(object)
         else:
             raise BuildError(f"input {s.name!r}: cannot make random data of dtype {s.dtype}")
     return feeds
@@ -233,7 +243,8 @@ def reference_session(model: Model, threads: int = 0) -> Any:
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     opts.intra_op_num_threads = threads
-    opts.log_severity_level = 3
+    quiet_onnxruntime()
+    opts.log_severity_level = ort_severity()
     try:
         return ort.InferenceSession(model.to_bytes(), opts, providers=["CPUExecutionProvider"])
     except Exception as exc:

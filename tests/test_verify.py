@@ -1,13 +1,18 @@
-"""check_output: error metrics, the tolerance gate at its edges, NaN and infinities, top-k."""
+"""check_output under the elementwise rule: error metrics, the tolerance gate at its edges, NaN and
+infinities, top-k. The scaled rule (the default) is tested in test_verify_rule.py."""
 
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import numpy as np
 import pytest
 
-from enginekit.verify import check_output, compare_outputs, summarize
+from enginekit import verify
+from enginekit.verify import compare_outputs, summarize
+
+check_output = partial(verify.check_output, rule="elementwise")
 
 ATOL, RTOL = 1e-4, 1e-3
 
@@ -114,7 +119,7 @@ def test_empty_outputs_pass():
 def test_compare_outputs_keeps_the_build_report_keys_and_summarize_names_failures():
     ref = {"a": np.zeros(3), "b": np.ones(2)}
     got = {"a": np.zeros(3), "b": np.array([1.0, 2.0])}
-    report = compare_outputs(got, ref, ATOL, RTOL)
+    report = compare_outputs(got, ref, ATOL, RTOL, rule="elementwise")
     assert report["a"]["passed"] and not report["b"]["passed"]
     assert {"passed", "max_abs", "max_rel"} <= set(report["b"])
     text = summarize({"cases": [{"shapes": {"x": [2]}, "outputs": report}]})

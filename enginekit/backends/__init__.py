@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from enginekit import target
 from enginekit.artifact import Artifact, open_artifact
 from enginekit.errors import ArtifactError, BackendUnavailable, BuildError
+from enginekit.quiet import native_stderr
 
 if TYPE_CHECKING:
     from enginekit.config import BuildConfig
@@ -190,6 +191,7 @@ def load(path: str | os.PathLike, device: str | None = None) -> Engine:
             f"enginekit build {manifest.get('source', {}).get('path') or '<model.onnx>'} "
             f"--backend {name}"
         )
-    engine = be.load(artifact, str(device))
+    with native_stderr(f"loading {path} on {name}"):
+        engine = be.load(artifact, str(device))
     engine.manifest = manifest
     return engine

@@ -19,6 +19,7 @@ from enginekit import target
 from enginekit.backends import Availability, BuildResult
 from enginekit.engine import Engine, TensorSpec
 from enginekit.errors import BackendUnavailable, BuildError
+from enginekit.quiet import ort_severity, quiet_onnxruntime
 
 if TYPE_CHECKING:
     from enginekit.artifact import Artifact
@@ -148,7 +149,8 @@ def _trt_options(
 def _session_options(options: dict[str, Any], level: str) -> Any:
     ort = _ort()
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    quiet_onnxruntime()
+    so.log_severity_level = ort_severity()
     so.graph_optimization_level = {
         "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -239,7 +241,8 @@ def _build_trt(
 ) -> BuildResult:
     """TensorRT EP: save a provider-neutral graph, then let a session build the TensorRT
     engines into a cache directory whose files become payload files."""
-    from enginekit.model import concrete_shapes, random_feeds
+    from enginekit.feeds import make_feeds
+    from enginekit.model import concrete_shapes
 
     ort = _ort()
     # Above 'basic', ORT writes CPU-specific ops TensorRT cannot take; and a session with the
@@ -273,7 +276,7 @@ def _build_trt(
     # One run per profile at its opt shapes: every engine is built and cached now, not at load.
     for profile in config.profiles or [None]:
         shapes = concrete_shapes(model.inputs, profile, "opt")
-        session.run(None, random_feeds(model.inputs, shapes, config.seed))
+        session.run(None, make_feeds(model, shapes, config.seed))
     files = sorted(f"trt_cache/{p.name}" for p in cache.iterdir() if p.is_file())
     return BuildResult(
         files=(PAYLOAD, *files),

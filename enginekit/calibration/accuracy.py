@@ -52,6 +52,8 @@ def is_classifier(shape: tuple[int, ...]) -> bool:
 class _Stats:
     def __init__(self) -> None:
         self.max_abs = 0.0
+        self.scale = 0.0
+        self.dot = self.norm_g = self.norm_r = 0.0
         self.sum_abs = 0.0
         self.count = 0
         self.agree = 0
@@ -67,6 +69,13 @@ class _Stats:
         if np.isnan(diff).any() and not np.array_equal(np.isnan(g), np.isnan(r)):
             self.nan = True
         diff = np.nan_to_num(diff, nan=0.0, posinf=np.inf)
+        finite = np.isfinite(g) & np.isfinite(r)
+        if finite.any():
+            self.scale = max(self.scale, float(np.abs(r[finite]).max()))
+            gf, rf = g[finite], r[finite]
+            self.dot += float(np.dot(gf, rf))
+            self.norm_g += float(np.dot(gf, gf))
+            self.norm_r += float(np.dot(rf, rf))
         if diff.size:
             self.max_abs = max(self.max_abs, float(diff.max()))
             self.sum_abs += float(diff.sum())
@@ -80,6 +89,11 @@ class _Stats:
         out: dict[str, Any] = {
             "max_abs": self.max_abs,
             "mean_abs": self.sum_abs / self.count if self.count else 0.0,
+            "scale": self.scale,
+            "scaled_error": _finite_or_none(
+                self.max_abs / self.scale if self.scale else (0.0 if not self.max_abs else None)
+            ),
+            "cosine": _cosine(self.dot, self.norm_g, self.norm_r),
         }
         if self.classifier and self.rows:
             out["top1_agreement"] = self.agree / self.rows
@@ -87,6 +101,19 @@ class _Stats:
         if self.nan:
             out["error"] = "NaN where the reference has a number"
         return out
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return None if value is None or not np.isfinite(value) else float(value)
+
+
+def _cosine(dot: float, ng2: float, nr2: float) -> float | None:
+    """Cosine similarity from accumulated sums (1 for two zero outputs, 0 for one)."""
+    if ng2 == 0.0 and nr2 == 0.0:
+        return 1.0
+    if ng2 == 0.0 or nr2 == 0.0:
+        return 0.0
+    return _finite_or_none(dot / float(np.sqrt(ng2) * np.sqrt(nr2)))
 
 
 def accuracy_report(
@@ -100,7 +127,9 @@ def accuracy_report(
 
     Returns:
         ``{"passed", "kind": "accuracy", "reference", "data", "samples", "outputs": {name:
-        {"max_abs", "mean_abs", "top1_agreement"?, "rows"?}}, "gates", "failures"}``.
+        {"max_abs", "mean_abs", "scale", "scaled_error", "cosine", "top1_agreement"?,
+        "rows"?}}, "gates", "failures"}`` (``scale`` is ``max|ref|``, ``scaled_error``
+        ``max_abs / scale``: docs/verification.md).
 
     Raises:
         BuildError: a top-1 gate was set but no output is classifier-shaped.
@@ -156,6 +185,10 @@ def summarize(report: Mapping[str, Any]) -> str:
     parts = []
     for n, o in report.get("outputs", {}).items():
         text = f"{n}: max abs {o['max_abs']:.3g}, mean abs {o['mean_abs']:.3g}"
+        if o.get("scaled_error") is not None:
+            text += f" ({o['scaled_error']:.3g} of the output's scale)"
+        if o.get("cosine") is not None:
+            text += f", cosine {o['cosine']:.5f}"
         if "top1_agreement" in o:
             text += f", top-1 agreement {o['top1_agreement']:.2%} of {o['rows']}"
         parts.append(text)

@@ -21,6 +21,7 @@ from enginekit.calibration.observers import RangeObserver
 from enginekit.calibration.table import WeightRange
 from enginekit.errors import CalibrationError
 from enginekit.model import Model
+from enginekit.quiet import ort_severity, quiet_onnxruntime
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def session(proto: onnx.ModelProto, threads: int = 0) -> Any:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     so.intra_op_num_threads = threads
-    so.log_severity_level = 3
+    quiet_onnxruntime()
+    so.log_severity_level = ort_severity()
     try:
         if proto.ByteSize() < _LARGE_BYTES:
             return ort.InferenceSession(

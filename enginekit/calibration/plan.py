@@ -33,7 +33,8 @@ from enginekit.calibration.writers import write_qdq
 from enginekit.config import BuildConfig, Precision
 from enginekit.engine import Engine
 from enginekit.errors import BuildError
-from enginekit.model import Model, load_model, random_feeds
+from enginekit.feeds import make_feeds
+from enginekit.model import Model, load_model
 from enginekit.progress import step
 from enginekit.verify import verification_points
 
@@ -104,7 +105,7 @@ def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -
             name
             for name, value in (
                 ("calibration", q.calibration), ("calib_data", q.calib_data),
-                ("verify_data", q.verify_data), ("min_top1_agreement", q.gates.min_top1_agreement),
+                ("min_top1_agreement", q.gates.min_top1_agreement),
                 ("max_abs_error", q.gates.max_abs_error),
             )
             if value is not None
@@ -112,7 +113,8 @@ def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -
         if given:
             raise BuildError(
                 f"{', '.join(given)}: for precision='int8'; this build is "
-                f"{config.precision.value}, verified at a tolerance (atol=, rtol=)"
+                f"{config.precision.value}, verified against ONNX Runtime CPU at a tolerance (atol=, "
+                "rtol=, min_cosine=; docs/verification.md)"
             )
         return Quantized(model)
     if q.calibration is not None and q.calib_data is not None:
@@ -147,6 +149,35 @@ def _profile(config: BuildConfig) -> Mapping[str, Any] | None:
     return config.profiles[0] if len(config.profiles) == 1 else None
 
 
+def verify_batches(
+    data: Any, model: Model, config: BuildConfig
+) -> list[dict[str, np.ndarray]] | None:
+    """``verify_data`` read into checked batches for ``model``'s inputs (None when not given):
+    any source ``enginekit.calibrate`` takes, up to 1024 samples."""
+    if data is None:
+        return None
+    whole = _one_set(data, model)
+    if whole is not None:
+        return [whole]
+    return list(batches(data, model.inputs, DEFAULT_BATCH, VERIFY_CAP, _profile(config)))
+
+
+def _one_set(data: Any, model: Model) -> dict[str, np.ndarray] | None:
+    """Arrays that are exactly one input set (every input, each of its input's rank): used as
+    given, also for inputs without a batch dim (shapes, indices, scalars)."""
+    specs = model.inputs
+    if isinstance(data, np.ndarray) and len(specs) == 1:
+        data = {specs[0].name: data}
+    if not isinstance(data, Mapping) or set(data) != {s.name for s in specs}:
+        return None
+    arrays = {s.name: np.asarray(data[s.name]) for s in specs}
+    if any(arrays[s.name].ndim != len(s.shape) for s in specs):
+        return None
+    if any(a.dtype != np.dtype(s.dtype) for s, a in zip(specs, arrays.values())):
+        return None  # the batch reader says what is wrong
+    return arrays
+
+
 def verify(
     engine: Engine, model: Model, config: BuildConfig, quantized: Quantized, q: Quantization
 ) -> dict[str, Any]:
@@ -172,9 +203,7 @@ def verify(
             "accuracy check on real data"
         )
         points = verification_points(model, engine.profiles)
-        data = iter(
-            random_feeds(model.inputs, s, seed=config.seed + i) for i, s in enumerate(points)
-        )
+        data = iter(make_feeds(model, s, seed=config.seed + i) for i, s in enumerate(points))
         label = "random inputs (no held-out data; only max_abs_error is checked)"
     with step(f"verifying int8 against float32 on {label}"):
         report = accuracy_report(engine, model, data, q.gates, label)
@@ -190,4 +219,5 @@ __all__ = [
     "has_qdq",
     "quantize",
     "verify",
+    "verify_batches",
 ]

@@ -50,7 +50,25 @@ def add(sub: Any) -> None:
     )
     p.add_argument("--no-verify", action="store_true", help="skip build-time verification")
     p.add_argument("--atol", type=float, help="verification absolute tolerance")
-    p.add_argument("--rtol", type=float, help="verification relative tolerance")
+    p.add_argument(
+        "--rtol",
+        type=float,
+        help="verification relative tolerance: of each output's scale max|ref| (scaled rule) or "
+        "of each element (elementwise)",
+    )
+    p.add_argument(
+        "--rule",
+        default="scaled",
+        choices=["scaled", "elementwise"],
+        help="verification rule (default scaled: error relative to each output's scale, plus "
+        "cosine similarity); see docs/verification.md",
+    )
+    p.add_argument("--min-cosine", type=float, help="cosine floor (default: the precision's)")
+    p.add_argument(
+        "--verify-data",
+        metavar="DATA",
+        help="verify on this data (.npz, .npy, or a folder of .npy/.npz), any precision",
+    )
     p.add_argument(
         "-O",
         "--option",
@@ -105,6 +123,9 @@ def cmd_build(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         atol=args.atol,
         rtol=args.rtol,
+        rule=args.rule,
+        min_cosine=args.min_cosine,
+        verify_data=args.verify_data,
         simplify=not args.no_simplify,
         outputs=[o for o in (args.outputs or "").split(",") if o],
         **_calibration_kwargs(args),
@@ -120,14 +141,29 @@ def cmd_build(args: argparse.Namespace) -> int:
         f"built {args.output}: {m['backend']['name']} {m['backend']['version']}, "
         f"{m['precision']}, {m['build']['build_s']:.2f} s\n"
         + (
-            f"verified against ONNX Runtime CPU: max abs error {max_abs(verify):.3g} "
-            f"(atol {verify['atol']}, rtol {verify['rtol']})"
+            f"verified against ONNX Runtime CPU on {verify.get('data', 'generated inputs')}: "
+            f"max abs error {max_abs(verify):.3g}"
+            + _scaled_text(verify)
+            + f" ({verify.get('rule', 'elementwise')} rule, atol {verify['atol']}, rtol "
+            f"{verify['rtol']})"
             if verify
             else "not verified (--no-verify)"
         )
     )
     emit(args, m, text)
     return EXIT_OK
+
+
+def _scaled_text(verify: dict[str, Any]) -> str:
+    """ ", 2.6e-07 of the output's scale, cosine 1" for the worst output of a report."""
+    worst = verify.get("worst") or {}
+    errors = [o.get("scaled_error") for o in worst.values()]
+    cosines = [o.get("cosine") for o in worst.values() if o.get("cosine") is not None]
+    if not errors:
+        return ""
+    err = max(float("inf") if e is None else e for e in errors)
+    text = f" = {err:.3g} of the output's scale"
+    return text + (f", cosine {min(cosines):.7g}" if cosines else "")
 
 
 # -- backend shorthands --------------------------------------------------------------------------
@@ -241,6 +277,8 @@ def _cmd_build_auto(args: argparse.Namespace, options: dict[str, Any]) -> int:
         device=args.device,
         atol=args.atol,
         rtol=args.rtol,
+        rule=args.rule,
+        min_cosine=args.min_cosine,
         **extra,
         **options,
     )
@@ -299,6 +337,8 @@ _SINGLE_BUILD_DEFAULTS = {
     "no_verify": False,
     "atol": None,
     "rtol": None,
+    "rule": "scaled",
+    "min_cosine": None,
     "timing_cache": None,
     "workspace": None,
     "precisions": None,
@@ -367,7 +407,6 @@ def _add_int8_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibration", metavar="CALIB.json", help="calibration table")
     g.add_argument("--calib-data", metavar="DATA", help="calibrate on this data (.npz/.npy/dir)")
     g.add_argument("--calib-method", default="entropy", choices=["entropy", "percentile", "minmax"])
-    g.add_argument("--verify-data", metavar="DATA", help="verify the engine on this data")
     g.add_argument("--min-top1-agreement", type=float, help="gate, e.g. 0.99")
     g.add_argument("--max-abs-error", type=float, help="gate on any output element")
     g.add_argument(
@@ -377,7 +416,7 @@ def _add_int8_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _calibration_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("calibration", "calib_data", "verify_data", "min_top1_agreement", "max_abs_error")
+    keys = ("calibration", "calib_data", "min_top1_agreement", "max_abs_error")
     kwargs: dict[str, Any] = {k: getattr(args, k) for k in keys}
     kwargs["calib_method"] = args.calib_method
     kwargs["allow_table_mismatch"] = args.allow_table_mismatch

@@ -77,10 +77,19 @@ def add_compare(sub: Any) -> None:
     p.add_argument("--rtol", type=float, help="relative tolerance (default: the precision's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--rule",
+        default="scaled",
+        choices=["scaled", "elementwise"],
+        help="scaled (default): error relative to each output's scale max|ref|, plus cosine; "
+        "elementwise: atol + rtol*|ref| per element",
+    )
+    p.add_argument(
         "--equal-nan", action="store_true", help="NaN where the reference has NaN agrees"
     )
     p.add_argument("--topk", type=int, default=5, help="k of top-k agreement (classifier outputs)")
-    p.add_argument("--min-cosine", type=float, help="also fail below this cosine similarity")
+    p.add_argument(
+        "--min-cosine", type=float, help="cosine-similarity floor (default: the precision's)"
+    )
     p.add_argument("--min-top1", type=float, help="also fail below this top-1 agreement")
     p.add_argument("--require-all", action="store_true", help="a skipped backend fails the gate")
     add_json_report(p)
@@ -114,6 +123,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         atol=args.atol,
         rtol=args.rtol,
         seed=args.seed,
+        rule=args.rule,
         equal_nan=args.equal_nan,
         topk=args.topk,
         min_cosine=args.min_cosine,

@@ -66,11 +66,17 @@ def _max_abs(report: Mapping[str, Any]) -> float | None:
 
 
 def _verify_summary(report: Mapping[str, Any]) -> dict[str, Any]:
+    worst = report.get("worst") or {}
+    scaled = [o.get("scaled_error") for o in worst.values()]
+    cosines = [o["cosine"] for o in worst.values() if o.get("cosine") is not None]
     return {
         "passed": report.get("passed"),
+        "rule": report.get("rule"),
         "atol": report.get("atol"),
         "rtol": report.get("rtol"),
         "max_abs": _max_abs(report),
+        "scaled_error": max(scaled) if scaled and None not in scaled else None,
+        "cosine": min(cosines) if cosines else None,
         "cases": len(report.get("cases", [])),
     }
 

@@ -22,13 +22,21 @@ import numpy as np
 
 from enginekit import backends as registry
 from enginekit import target
-from enginekit.config import DEFAULT_TOLERANCE, BuildConfig, Precision, ShapesArg, normalize_shapes
+from enginekit.config import (
+    BuildConfig,
+    Precision,
+    ShapesArg,
+    check_rule,
+    default_tolerance,
+    normalize_shapes,
+)
 from enginekit.engine import Engine, to_numpy
 from enginekit.errors import EnginekitError, UsageError
 from enginekit.evaluate.candidates import Candidate, as_candidate, skip_reason
 from enginekit.evaluate.golden import Golden, load_golden, save_golden
 from enginekit.evaluate.reference import resolve_reference
 from enginekit.evaluate.report import BackendCheck, CaseCheck, CompareReport
+from enginekit.feeds import make_feeds
 from enginekit.model import Model, ModelSource, concrete_shapes, load_model, random_feeds
 from enginekit.verify import DEFAULT_TOPK, check_outputs, verification_points
 
@@ -112,9 +120,14 @@ def _random_points(
 # -- running entries -------------------------------------------------------------------------------
 
 
-def _tolerance(precision: str, atol: float | None, rtol: float | None) -> tuple[float, float]:
-    d_atol, d_rtol = DEFAULT_TOLERANCE[Precision(precision)]
-    return (d_atol if atol is None else atol, d_rtol if rtol is None else rtol)
+def _tolerance(
+    precision: str, atol: float | None, rtol: float | None, gates: Mapping[str, Any]
+) -> tuple[float, float, dict[str, Any]]:
+    """(atol, rtol, gates) for an entry: the rule's defaults for its precision, the user's
+    values where given (the cosine floor included)."""
+    tol = default_tolerance(precision, gates.get("rule", "scaled"), atol, rtol)
+    given = gates.get("min_cosine")
+    return tol.atol, tol.rtol, {**gates, "min_cosine": tol.min_cosine if given is None else given}
 
 
 def _error_text(exc: BaseException) -> str:
@@ -168,7 +181,7 @@ def _check_engine(
 ) -> BackendCheck:
     backend = engine.manifest.get("backend", {})
     precision = str(engine.manifest.get("precision", "fp32"))
-    atol, rtol = _tolerance(precision, *tol)
+    atol, rtol, gates = _tolerance(precision, *tol, gates)
     checks = _run_cases(engine, cases, refs, atol, rtol, gates)
     errors = [c.error for c in checks if c.error]
     status = "error" if errors else ("passed" if all(c.passed for c in checks) else "failed")
@@ -182,6 +195,8 @@ def _check_engine(
         options=dict(engine.manifest.get("config", {}).get("options", {})),
         atol=atol,
         rtol=rtol,
+        rule=str(gates.get("rule", "scaled")),
+        min_cosine=gates.get("min_cosine"),
         build_s=build_s,
         cases=checks,
     )
@@ -251,6 +266,7 @@ def compare(
     atol: float | None = None,
     rtol: float | None = None,
     seed: int = 0,
+    rule: str = "scaled",
     equal_nan: bool = False,
     topk: int = DEFAULT_TOPK,
     min_cosine: float | None = None,
@@ -278,11 +294,15 @@ def compare(
         save_golden_to: write the inputs and reference outputs used here to this ``.npz``.
         precision: precision to build backend names at; tolerances default to the precision's.
         device: ``cpu`` or ``cuda[:N]``.
-        atol, rtol: tolerance for every entry (default: each entry's precision's).
+        atol, rtol: tolerance for every entry (default: each entry's precision's for ``rule``).
         seed: seed of the random inputs.
+        rule: ``scaled`` (error relative to each output's scale max|ref|, plus the cosine
+            floor) or ``elementwise`` (``atol + rtol*|ref|`` per element): the same rule as
+            build-time verification (docs/verification.md).
         equal_nan: accept NaN where the reference has NaN at the same place.
         topk: k of the top-k agreement on [batch, classes] outputs.
-        min_cosine, min_top1: optional extra gates on cosine similarity and top-1 agreement.
+        min_cosine: cosine-similarity floor (default: the precision's under ``scaled``).
+        min_top1: optional floor on top-1 agreement.
         require_all: a skipped entry fails the gate too.
 
     Returns:
@@ -293,6 +313,7 @@ def compare(
     if golden is not None and save_golden_to is not None:
         raise UsageError("golden= and save_golden_to= together would only copy the file")
     Precision(precision)  # fail early on a bad name
+    check_rule(rule)
     loaded = load_model(model) if model is not None else None
     profiles = normalize_shapes(shapes)
     if loaded is not None and profiles:
@@ -313,7 +334,12 @@ def compare(
         else:
             points = _random_points(loaded, profiles, list(engines.values()))
             specs = loaded.inputs if loaded else _any_engine(engines).inputs
-            cases = [random_feeds(specs, p, seed=seed + i) for i, p in enumerate(points)]
+            cases = [
+                make_feeds(loaded, p, seed=seed + i)
+                if loaded is not None
+                else random_feeds(specs, p, seed=seed + i)
+                for i, p in enumerate(points)
+            ]
             source = "random"
         if not profiles and source != "random":
             profiles = _profile_from_cases(cases)
@@ -328,6 +354,7 @@ def compare(
         if save_golden_to is not None:
             save_golden(save_golden_to, Golden(tuple(cases), tuple(refs), ref_label), loaded)
         gates = {
+            "rule": rule,
             "equal_nan": equal_nan,
             "topk": topk,
             "min_cosine": min_cosine,

@@ -79,6 +79,8 @@ class BackendCheck:
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     atol: float | None = None
     rtol: float | None = None
+    rule: str = "scaled"
+    min_cosine: float | None = None
     build_s: float | None = None
     cases: tuple[CaseCheck, ...] = ()
 
@@ -107,6 +109,8 @@ class BackendCheck:
             "options": dict(self.options),
             "atol": self.atol,
             "rtol": self.rtol,
+            "rule": self.rule,
+            "min_cosine": self.min_cosine,
             "build_s": self.build_s,
             "worst": {k: v.to_json() for k, v in self.worst().items()},
             "cases": [c.to_json() for c in self.cases],
@@ -166,12 +170,12 @@ class CompareReport:
 
 def compare_table(report: CompareReport) -> str:
     """One row per entry and output (its worst input set); skipped and errored entries one row."""
-    header = ["BACKEND", "STATUS", "OUTPUT", "MAX ABS", "MAX REL", "P99 ABS", "COSINE", "TOP-1",
-              "ATOL/RTOL", "NOTE"]  # fmt: skip
+    header = ["BACKEND", "STATUS", "OUTPUT", "MAX ABS", "OF SCALE", "MAX REL", "P99 ABS", "COSINE",
+              "TOP-1", "RULE ATOL/RTOL", "NOTE"]  # fmt: skip
     rows = []
     for b in report.backends:
         if b.status in ("skipped", "error"):
-            rows.append([b.label, b.status.upper(), "-", "", "", "", "", "", "", b.reason])
+            rows.append([b.label, b.status.upper(), "-", "", "", "", "", "", "", "", b.reason])
             continue
         for name, o in b.worst().items():
             rows.append(
@@ -180,11 +184,12 @@ def compare_table(report: CompareReport) -> str:
                     "PASS" if o.passed else "FAIL",
                     name,
                     num(o.max_abs),
+                    num(o.scaled_error),
                     num(o.max_rel),
                     num(o.p99_abs),
                     "-" if o.cosine is None else f"{o.cosine:.6f}",
                     "-" if o.top1 is None else f"{o.top1:.3f}",
-                    f"{b.atol:g}/{b.rtol:g}",
+                    f"{b.rule} {b.atol:g}/{b.rtol:g}",
                     o.error or (f"{o.mismatch:.2%} of elements outside" if not o.passed else ""),
                 ]
             )

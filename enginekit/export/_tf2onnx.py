@@ -20,6 +20,7 @@ import onnx
 from onnx import numpy_helper
 
 from enginekit.errors import ExportError
+from enginekit.quiet import ort_severity, quiet_onnxruntime
 
 log = logging.getLogger("enginekit.export.tensorflow")
 
@@ -351,7 +352,8 @@ def check_outputs(
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    quiet_onnxruntime()
+    so.log_severity_level = ort_severity()
     try:
         session = ort.InferenceSession(
             proto.SerializeToString(), so, providers=["CPUExecutionProvider"]

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from enginekit.errors import ExportError
+from enginekit.quiet import ort_severity, quiet_onnxruntime
 
 NAME = "torch"
 log = logging.getLogger(__name__)
@@ -206,7 +207,8 @@ def _check(
     with torch.no_grad():
         _, expected = _flatten(model(*args))
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    quiet_onnxruntime()
+    so.log_severity_level = ort_severity()
     session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
     feeds = {n: a.detach().cpu().numpy() for n, a in zip(names, args)}
     got = session.run(None, feeds)

@@ -159,7 +159,7 @@ def prepare(
         try:
             current, rec = _timed("simplify", _simplify, current, **detail)
         except ModelError as exc:
-            log.warning("graph simplification skipped: %s", exc)
+            log.warning("%s: graph simplification skipped: %s", model.label, exc)
             n = count_nodes(current.proto)
             rec = PassRecord(
                 "simplify", n, n, time.perf_counter() - start, {**detail, "error": str(exc)}

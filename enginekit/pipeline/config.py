@@ -347,6 +347,8 @@ def _entries(
                         atol=t.get("atol"),
                         rtol=t.get("rtol"),
                         seed=t.get("seed") or 0,
+                        rule=t.get("rule") or "scaled",
+                        min_cosine=t.get("min_cosine"),
                         options=entry_options,
                         simplify=t.get("simplify", True),
                         outputs=model.outputs if model is not None else (),

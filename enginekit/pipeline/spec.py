@@ -214,7 +214,24 @@ SPEC = Table(
                             Bool("verify against ONNX Runtime CPU at build time"), default=True
                         ),
                         "atol": Key(Num("verification absolute tolerance", minimum=0)),
-                        "rtol": Key(Num("verification relative tolerance", minimum=0)),
+                        "rtol": Key(
+                            Num(
+                                "verification relative tolerance: of each output's scale "
+                                "max|ref| (scaled rule) or of each element (elementwise)",
+                                minimum=0,
+                            )
+                        ),
+                        "rule": Key(
+                            Str(
+                                "verification rule: scaled (error relative to each output's "
+                                "scale, plus cosine similarity) or elementwise",
+                                choices=("scaled", "elementwise"),
+                            ),
+                            default="scaled",
+                        ),
+                        "min_cosine": Key(
+                            Num("verification cosine-similarity floor (scaled rule)", minimum=-1)
+                        ),
                         "seed": Key(
                             Num("seed of the verification inputs", integer=True), default=0
                         ),

@@ -166,7 +166,8 @@ def test_int8_without_calibration_or_with_both_is_refused(trained, table):
         ek.build(trained.path, precision="int8", calibration=table, calib_data=trained.calib_x)
     with pytest.raises(BuildError, match="calibration: for precision='int8'"):
         ek.build(trained.path, calibration=table)
-    with pytest.raises(BuildError, match="verify_data, max_abs_error: for precision='int8'"):
+    # verify_data works at every precision; the int8 accuracy gates do not
+    with pytest.raises(BuildError, match="^max_abs_error: for precision='int8'"):
         ek.build(trained.path, precision="fp16", verify_data=trained.test_x, max_abs_error=0.1)
 
 

@@ -144,7 +144,8 @@ def test_report_json_is_strict_json_with_every_entry(mlp, built):
     data = json.loads(json.dumps(report.to_json(), allow_nan=False))
     assert data["schema"] == "enginekit.compare/1" and data["passed"] is False
     first = data["backends"][0]
-    assert first["status"] == "failed" and first["atol"] == 1e-4 and first["rtol"] == 1e-3
+    assert first["status"] == "failed" and first["rule"] == "scaled"
+    assert first["atol"] == 1e-6 and first["rtol"] == 1e-4 and first["min_cosine"] == 0.9999
     case = first["cases"][0]
     assert set(case["outputs"]["output"]) >= {"max_abs", "max_rel", "p99_abs", "cosine", "top1"}
     assert data["backends"][1]["status"] == "skipped"

@@ -1,0 +1,62 @@
+"""ONNX's own backend test data: enginekit's onnxruntime backend passes every case raw ONNX Runtime
+passes, through ``ek.build`` (default settings, verification on) and ``ek.load``.
+
+Runs benchmarks/onnx_testdata.py's ``run`` on the model folders (pytorch-converted,
+pytorch-operator, simple) in full and on ``node`` where the installed onnx wheel ships it
+(1.23.2 does not), within a time budget. ~10 s here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _runner():
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks_onnx_testdata", ROOT / "benchmarks" / "onnx_testdata.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("benchmarks_onnx_testdata", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_enginekit_onnxruntime_passes_every_case_raw_onnxruntime_passes(capsys):
+    runner = _runner()
+    report = runner.run(["onnxruntime"], ["pytorch-converted", "pytorch-operator", "simple"])
+    node = runner.run(["onnxruntime"], ["node"], budget=45.0)
+    raw = report["raw_onnxruntime"]["passed"] + node["raw_onnxruntime"]["passed"]
+    ours = report["backends"]["onnxruntime"]["passed"] + node["backends"]["onnxruntime"]["passed"]
+    with capsys.disabled():
+        print(
+            f"\nONNX backend test data (onnx {report['onnx']}): raw ONNX Runtime passes {raw} of "
+            f"{report['cases'] + node['cases']} cases; enginekit onnxruntime passes {ours} of them"
+            + (f" (node: {node['cases']} of {node['of']} cases run)" if not node["absent"] else
+               " (node: not in this onnx wheel)")
+        )  # fmt: skip
+    assert report["cases"] >= 100 and raw >= 90
+    failed = {
+        **report["backends"]["onnxruntime"]["failed_where_raw_passes"],
+        **node["backends"]["onnxruntime"]["failed_where_raw_passes"],
+    }
+    assert failed == {}, failed
+    assert ours == raw
+
+
+@pytest.mark.parametrize("case", ["test_sequence_model8"])
+def test_a_case_whose_inputs_cannot_be_generated_builds_with_its_own_data(case):
+    runner = _runner()
+    loaded = runner.load_case(runner.data_root() / "simple" / case, "simple")
+    if loaded is None:
+        pytest.skip(f"{case} is not in this onnx wheel")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        err, how = runner.run_enginekit(loaded, "onnxruntime", Path(tmp))
+    assert err is None and how == "verify_data (asked for)"
