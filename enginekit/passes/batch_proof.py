@@ -1,0 +1,178 @@
+"""Which tensors carry the batch as their dim 0: the proofs :func:`rewrite_batch` rests on.
+
+Three sources, tried in this order and recorded per proof:
+
+- ``onnx``: ONNX shape inference with the batch dim symbolic (dim 0 is the symbol);
+- ``ort-symbolic``: ONNX Runtime's symbolic shape inference tool, which knows more ops (ORT's
+  contrib ops, Resize with computed sizes) and merges more symbolic arithmetic;
+- ``batch-axis``: where neither inferred a shape, dim 0 is followed through ops that keep it
+  (elementwise, convolution, pooling, normalization, Transpose with ``perm[0] == 0``, Flatten,
+  Concat and Softmax/reductions away from axis 0, ...): only the leading axis, not the shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import onnx
+
+from enginekit.passes.graph import infer_shapes
+
+log = logging.getLogger("enginekit.passes")
+
+Dims = tuple[int | str | None, ...]
+
+#: Ops whose output keeps dim 0 of their first input (any attributes).
+_KEEP_FIRST = frozenset(
+    "Abs Acos Asin Atan BatchNormalization Cast Ceil Celu Clip Conv ConvTranspose Cos Dropout "
+    "Elu Erf Exp Floor Gelu GlobalAveragePool GlobalLpPool GlobalMaxPool HardSigmoid HardSwish "
+    "Identity InstanceNormalization IsInf IsNaN LRN LayerNormalization LeakyRelu Log LpPool "
+    "MaxPool AveragePool MaxRoundPool Mish Neg Not PRelu QuantizeLinear DequantizeLinear "
+    "Reciprocal Relu Round Selu Shrink Sigmoid Sign Sin Sinh Softplus Softsign Sqrt Tan Tanh "
+    "ThresholdedRelu Upsample Resize SpaceToDepth DepthToSpace GroupNormalization "
+    "FastGelu BiasGelu SkipLayerNormalization QuickGelu".split()
+)
+#: Broadcasting ops: dim 0 of the output is the batch when an input of the highest rank has it.
+_BROADCAST = frozenset(
+    "Add Sub Mul Div Pow Max Min Sum Mean Where Equal Greater Less And Or Xor Mod "
+    "GreaterOrEqual LessOrEqual BitShift".split()
+)
+#: Ops that keep dim 0 unless their axis attribute (default given) is 0.
+_AXIS_OPS = {
+    "Softmax": 1,
+    "LogSoftmax": 1,
+    "Hardmax": 1,
+    "Concat": None,
+    "Split": 0,
+    "Gather": 0,
+    "ArgMax": 0,
+    "ArgMin": 0,
+    "TopK": -1,
+    "CumSum": None,
+}
+_REDUCE = frozenset(
+    "ReduceMean ReduceSum ReduceMax ReduceMin ReduceProd ReduceL1 ReduceL2 ReduceLogSum "
+    "ReduceLogSumExp ReduceSumSquare".split()
+)
+
+
+def _dims_of(proto: onnx.ModelProto) -> dict[str, Dims]:
+    dims: dict[str, Dims] = {}
+    for v in list(proto.graph.value_info) + list(proto.graph.input) + list(proto.graph.output):
+        t = v.type.tensor_type
+        if t.HasField("shape"):
+            dims[v.name] = tuple(
+                d.dim_param or (d.dim_value if d.HasField("dim_value") else None)
+                for d in t.shape.dim
+            )
+    return dims
+
+
+def onnx_dims(proto: onnx.ModelProto) -> dict[str, Dims]:
+    """Shapes by tensor name from ONNX shape inference (lenient)."""
+    return _dims_of(infer_shapes(proto))
+
+
+def ort_dims(proto: onnx.ModelProto) -> dict[str, Dims]:
+    """Shapes by tensor name from ONNX Runtime's symbolic shape inference ({} where it fails)."""
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    except ImportError:  # an ORT build without its tools
+        return {}
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    try:
+        inferred = SymbolicShapeInference.infer_shapes(
+            copy, auto_merge=True, guess_output_rank=False, verbose=0
+        )
+    except Exception as exc:  # it raises on ops it cannot infer; the other proofs remain
+        log.info("ONNX Runtime symbolic shape inference failed: %s", exc)
+        return {}
+    return _dims_of(inferred) if inferred is not None else {}
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _keeps_axis0(
+    node: onnx.NodeProto, carriers: set[str], dims: dict[str, Dims], consts: set[str]
+) -> bool:
+    """Whether the node's first output has the batch as dim 0, given the carriers so far."""
+    inputs = [i for i in node.input if i]
+    if not inputs:
+        return False
+    op = node.op_type
+    first = inputs[0] in carriers
+    if op in _KEEP_FIRST:
+        return first
+    if op in _BROADCAST:
+        carried = [i for i in inputs if i in carriers]
+        if not carried:
+            return False
+        rank = max(len(dims.get(i, ())) for i in carried)
+        # Another input of higher rank would put its own dims in front.
+        return all(i in carriers or len(dims.get(i, (0,) * 99)) <= rank for i in inputs)
+    if op in ("MatMul", "Gemm", "MatMulInteger", "QLinearMatMul"):
+        return first and ((op == "Gemm" and not _attr(node, "transA", 0)) or op != "Gemm")
+    if op == "Flatten":
+        return first and _attr(node, "axis", 1) >= 1
+    if op == "Transpose":
+        perm = _attr(node, "perm", None)
+        return first and perm is not None and len(perm) > 0 and perm[0] == 0
+    if op == "Reshape":
+        return False  # its shape decides; the rewrite handles Reshape
+    if op in _AXIS_OPS:
+        axis = _attr(node, "axis", _AXIS_OPS[op])
+        if op == "Concat":
+            return any(i in carriers for i in inputs) and axis not in (0, None)
+        return first and axis not in (0, None)
+    if op in _REDUCE:
+        axes = _attr(node, "axes", None)
+        if axes is None and len(inputs) > 1 and inputs[1] in consts:
+            return False  # axes as an input (opset 18): not followed here
+        return first and axes is not None and 0 not in axes
+    if op in ("Squeeze", "Unsqueeze"):
+        axes = _attr(node, "axes", None)
+        return first and axes is not None and 0 not in axes
+    if op == "Pad":
+        return first and len(inputs) == 1 and not _attr(node, "pads", [1])[0]
+    if op == "Slice":
+        return first and len(inputs) == 1 and 0 not in _attr(node, "axes", [0])
+    return False
+
+
+def carriers(
+    proto: onnx.ModelProto, sym: str, *sources: tuple[str, dict[str, Dims]]
+) -> dict[str, str]:
+    """Tensors whose dim 0 is the batch, each with the source that proves it.
+
+    Args:
+        sources: ``(name, shapes)`` pairs from shape inference, most trusted first; their
+            proofs come first, then ``batch-axis`` follows dim 0 where none of them has one.
+    """
+    proof: dict[str, str] = {}
+    merged: dict[str, Dims] = {}
+    for name, dims in sources:
+        for tensor, d in dims.items():
+            merged.setdefault(tensor, d)
+            if d and d[0] == sym:
+                proof.setdefault(tensor, name)
+    consts = {t.name for t in proto.graph.initializer}
+    consts |= {o for n in proto.graph.node if n.op_type == "Constant" for o in n.output}
+    found = set(proof)
+    for node in proto.graph.node:
+        if not node.output or node.output[0] in found:
+            continue
+        known = [merged.get(o) for o in node.output if o]
+        if any(k and k[0] is not None and k[0] != sym for k in known):
+            continue  # inference knows dim 0 and it is not the batch
+        if _keeps_axis0(node, found, merged, consts):
+            for out in node.output[:1]:
+                proof[out] = "batch-axis"
+                found.add(out)
+    return proof
