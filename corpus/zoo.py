@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from corpus import _compat
 from corpus._torch import SEED, image_inputs, image_shapes
@@ -36,7 +37,12 @@ def ort_rows(path: Path, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]
 
 
 def _zoo(
-    name: str, build: Callable[[], Any], opset: int, size: int = 64, as_inputs: bool = False
+    name: str,
+    build: Callable[[], Any],
+    opset: int,
+    size: int = 64,
+    as_inputs: bool = False,
+    simplified: bool = False,
 ) -> Entry:
     def make(folder: Path) -> Made:
         import torch
@@ -44,6 +50,8 @@ def _zoo(
         torch.manual_seed(SEED)
         model = build().eval()
         path = folder / "model.onnx"
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)  # the fused attention op has no ONNX form
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(
@@ -51,6 +59,13 @@ def _zoo(
                 opset_version=opset, input_names=[INPUT], output_names=["prob"],
                 keep_initializers_as_inputs=as_inputs,
             )  # fmt: skip
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        if simplified:
+            # As zoo files were run through onnx-simplifier: shape arithmetic folded at batch 1
+            # into constants (Reshape [1, ...], Expand of the class token to [1, 1, D]).
+            from enginekit.passes import simplify
+
+            onnx.save_model(simplify(str(path)), str(path))
         inputs = image_inputs(size, INPUT)
         samples = []
         for b in BATCHES:
@@ -58,9 +73,9 @@ def _zoo(
             samples.append(Sample(f"b{b}", feeds, ort_rows(path, feeds)))
         return Made(path, image_shapes(size, INPUT), tuple(samples))
 
-    about = f"opset {opset}, batch 1 fixed, {size}x{size}" + (
-        ", initializers as inputs" if as_inputs else ""
-    )
+    about = f"opset {opset}, batch 1 fixed, {size}x{size}"
+    about += ", initializers as inputs" if as_inputs else ""
+    about += ", shapes folded to constants" if simplified else ""
     return Entry(f"zoo-{name}-op{opset}", "zoo", make, ("torchvision",), about, fixed_batch=True)
 
 
@@ -69,6 +84,13 @@ def _tv(name: str, **kwargs: Any) -> Callable[[], Any]:
         return getattr(_compat.torchvision().models, name)(weights=None, **kwargs)
 
     return build
+
+
+def _vit() -> Any:
+    tv = _compat.torchvision()
+    return tv.models.vision_transformer.VisionTransformer(
+        image_size=64, patch_size=16, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128
+    )
 
 
 ENTRIES: tuple[Entry, ...] = (
@@ -80,4 +102,6 @@ ENTRIES: tuple[Entry, ...] = (
     _zoo("googlenet", _tv("googlenet", aux_logits=False, init_weights=True), 11),
     _zoo("inception_v3", _tv("inception_v3", aux_logits=False, init_weights=True), 12, size=96),
     _zoo("mnasnet1_0", _tv("mnasnet1_0"), 10),
+    _zoo("vit-folded", _vit, 14, simplified=True),
+    _zoo("shufflenet_v2-folded", _tv("shufflenet_v2_x0_5"), 9, simplified=True),
 )

@@ -124,13 +124,28 @@ def rewrite_batch(
     return BatchRewrite(proto, batch, tuple(rewritten), tuple(unproven))
 
 
-def make_batch_dynamic(source: ModelSource, name: str = "batch") -> onnx.ModelProto:
+def make_batch_dynamic(
+    source: ModelSource, name: str = "batch", *, strict: bool = False
+) -> onnx.ModelProto:
     """Rewrite a fixed leading batch dim of inputs and outputs to the symbolic dim ``name``.
 
     See :func:`rewrite_batch` for what is rewritten; what could not be proven is logged as a
-    warning. Run :func:`lint_batch` on the result to confirm every output follows the batch.
+    warning (or, with ``strict=True``, raised). Run :func:`lint_batch` on the result to confirm
+    every output follows the batch.
+
+    Raises:
+        ModelError: with ``strict=True``, a node that may bake the batch in could not be proven;
+            the message names each one and says what to do.
     """
-    return rewrite_batch(source, name).model
+    result = rewrite_batch(source, name)
+    if strict and result.unproven:
+        raise ModelError(
+            "make_batch_dynamic could not prove these constants follow the batch:\n  "
+            + "\n  ".join(result.unproven)
+            + "\n"
+            + UNPROVEN_HELP.removeprefix(" — ").capitalize()
+        )
+    return result.model
 
 
 @dataclasses.dataclass(frozen=True)

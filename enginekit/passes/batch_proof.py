@@ -156,6 +156,10 @@ def carriers(
             proofs come first, then ``batch-axis`` follows dim 0 where none of them has one.
     """
     proof: dict[str, str] = {}
+    for v in proto.graph.input:  # the seeds: inputs whose dim 0 is the symbol
+        dims = v.type.tensor_type.shape.dim
+        if dims and dims[0].dim_param == sym:
+            proof[v.name] = "input"
     merged: dict[str, Dims] = {}
     for name, dims in sources:
         for tensor, d in dims.items():

@@ -116,11 +116,14 @@ class Round:
         for _, found in sources:
             for k, v in found.items():
                 dims.setdefault(k, v)
+        consts = constants(proto)
+        for name, (value, _) in consts.items():
+            dims.setdefault(name, tuple(int(d) for d in value.shape))
         proof = carriers(proto, sym, *sources)
         if "batch-axis" not in provers:
             proof = {k: v for k, v in proof.items() if v != "batch-axis"}
         producer = {o: n for n in proto.graph.node for o in n.output if o}
-        return cls(proto, batch, sym, dims, proof, constants(proto), producer)
+        return cls(proto, batch, sym, dims, proof, consts, producer)
 
     def const(self, name: str) -> np.ndarray | None:
         found = self.consts.get(name)
@@ -326,10 +329,10 @@ def rewrite_round(
         if line is not None and changed(line, key):
             return [line], []
         if node.op_type == "Concat":
-            src = r.dims.get(node.input[0])
+            rank = next((len(d) for i in node.input if (d := r.dims.get(i))), 0)
             axis = _attr(node, "axis", 0)
             carrier = next((i for i in node.input if i in r.proof), None)
-            if not src or carrier is None or axis % len(src) == 0:
+            if not rank or carrier is None or axis % rank == 0:
                 continue
             for index, name in enumerate(node.input):
                 peer = f"{key} input {index}"
