@@ -41,3 +41,11 @@ def _has_nms(torch: Any) -> bool:
     except (AttributeError, RuntimeError):
         return False
     return True
+
+
+def transformers() -> Any:
+    """``import transformers`` (its vision code imports torchvision: schemas first)."""
+    torchvision()
+    import transformers as hf
+
+    return hf
