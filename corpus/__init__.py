@@ -2,7 +2,7 @@
 that enginekit must export, build, verify and run on every backend.
 
 Test and benchmark data, not package code: it imports enginekit like a user does.
-``benchmarks/corpus.py`` runs it; ``docs/corpus.md`` says how a backend joins.
+``benchmarks/run_corpus.py`` runs it; ``docs/corpus.md`` says how a backend joins.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def select(names: Iterable[str] = ()) -> list[Entry]:
         if n not in known:
             raise CorpusError(
                 f"no corpus entry or family named {n!r}{closest(n, known)} (families: "
-                f"{', '.join(FAMILIES)}; `python benchmarks/corpus.py --list` lists the entries)"
+                f"{', '.join(FAMILIES)}; `python benchmarks/run_corpus.py --list` lists the entries)"
             )
     return [e for e in every if e.name in wanted or e.family in wanted]
 
