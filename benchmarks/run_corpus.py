@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import statistics
 import sys
@@ -148,7 +149,8 @@ def perf(entries: Sequence[corpus.Entry], backends: Sequence[str]) -> list[dict[
         shapes = {n: [(1, *a.shape[1:]), (8, *a.shape[1:]), (16, *a.shape[1:])]
                   for n, a in base.items()}  # fmt: skip
         feeds_at = {b: {n: np.repeat(a, b, axis=0) for n, a in base.items()} for b in PERF_BATCHES}
-        ref = {b: _timed(lambda f: session.run(None, f), feeds_at[b]) for b in PERF_BATCHES}
+        run_ort = functools.partial(session.run, None)
+        ref = {b: _timed(run_ort, feeds_at[b]) for b in PERF_BATCHES}
         for backend in backends:
             row: dict[str, Any] = {"entry": entry.name, "backend": backend}
             try:

@@ -28,8 +28,10 @@ def _keras_entry(name: str, app: str, size: int) -> Entry:
         path = folder / "model.onnx"
 
         def inputs(batch: int) -> np.ndarray:
-            return np.random.default_rng(batch).standard_normal((batch, size, size, 3)).astype(
-                np.float32
+            return (
+                np.random.default_rng(batch)
+                .standard_normal((batch, size, size, 3))
+                .astype(np.float32)
             )
 
         # The harness compares with Keras itself, at a tolerance relative to the output's scale.

@@ -136,7 +136,9 @@ class _Vision:
 def _vit() -> Any:
     t = _compat.transformers()
 
-    return t.ViTModel(t.ViTConfig(image_size=64, patch_size=16, **_small()), add_pooling_layer=False)
+    return t.ViTModel(
+        t.ViTConfig(image_size=64, patch_size=16, **_small()), add_pooling_layer=False
+    )
 
 
 def _convnext() -> Any:
@@ -157,6 +159,7 @@ AUDIO = 1600  # samples of raw audio (0.1 s at 16 kHz)
 
 def _wav2vec2_make(folder: Path) -> Made:
     import torch
+
     t = _compat.transformers()
 
     torch.manual_seed(SEED)
@@ -188,6 +191,7 @@ FRAMES = 64  # log-mel frames (Whisper's encoder takes 2 x max_source_positions)
 
 def _whisper_make(folder: Path) -> Made:
     import torch
+
     t = _compat.transformers()
 
     torch.manual_seed(SEED)

@@ -301,7 +301,9 @@ def fixed_batch(specs: Sequence[TensorSpec]) -> int | None:
     return None
 
 
-def _max_batch(specs: Sequence[TensorSpec], profile: Mapping[str, ShapeProfile] | None) -> int | None:
+def _max_batch(
+    specs: Sequence[TensorSpec], profile: Mapping[str, ShapeProfile] | None
+) -> int | None:
     if not profile:
         return None
     sizes = [profile[s.name].max[0] for s in specs if s.name in profile and profile[s.name].max]

@@ -230,3 +230,19 @@ def test_calibrating_a_fixed_batch_model_records_the_chunking(tmp_path):
     assert ek.CalibrationTable.from_json(table.to_json()).chunking == table.chunking
     padded = ek.calibrate(path, rows, method="minmax", remainder="pad")
     assert padded.samples == 20 and "padded 2" in padded.chunking
+
+
+def test_int8_build_of_a_fixed_batch_1_model_takes_16_calibration_rows(tmp_path):
+    import onnx
+
+    model = calib_models.tiny_cnn()
+    for v in (model.graph.input[0], model.graph.output[0]):
+        v.type.tensor_type.shape.dim[0].Clear()
+        v.type.tensor_type.shape.dim[0].dim_value = 1
+    path = tmp_path / "fixed1.onnx"
+    onnx.save(model, path)
+    rows = np.random.default_rng(1).standard_normal((16, 3, 8, 8)).astype(np.float32)
+    engine = ek.build(path, precision="int8", calib_data=rows)
+    calib = engine.manifest["calibration"]
+    assert calib["samples"] == 15  # every 10th row held out for the accuracy check
+    assert engine.infer(rows[:1])["logits"].shape == (1, 4)

@@ -44,7 +44,8 @@ def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 
 def _assert_batch_dynamic(original: onnx.ModelProto, dynamic: onnx.ModelProto) -> None:
     assert ek.lint_batch(dynamic, sizes=(1, 3, 8)) == []
-    x = RNG.standard_normal((3, *[d.dim_value for d in original.graph.input[0].type.tensor_type.shape.dim][1:])).astype(np.float32)  # fmt: skip
+    dims = original.graph.input[0].type.tensor_type.shape.dim
+    x = RNG.standard_normal((3, *[d.dim_value for d in dims][1:])).astype(np.float32)
     rows = np.concatenate([_run(original, x[i : i + 1]) for i in range(3)])
     np.testing.assert_allclose(_run(dynamic, x), rows, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(_run(dynamic, x[:1]), _run(original, x[:1]))
@@ -138,7 +139,8 @@ def _class_token(maker: str) -> onnx.ModelProto:
     elif maker == "Tile":
         nodes.append(helper.make_node("Tile", ["cls", "reps"], ["tok"]))
         inits.append(_init("reps", np.array([1, 1, 1], np.int64)))
-    nodes.append(helper.make_node("Concat", ["cls" if maker == "bare" else "tok", "seq"], ["y"], axis=1))  # fmt: skip
+    token = "cls" if maker == "bare" else "tok"
+    nodes.append(helper.make_node("Concat", [token, "seq"], ["y"], axis=1))
     return _model(nodes, inits, [1, 3, 16], [1, 13, d])
 
 
@@ -174,7 +176,12 @@ def test_expand_baked_at_batch_4_reads_the_batch_from_its_concat_peer():
 
 def test_unprovable_constant_is_named_with_what_to_do():
     nodes = [
-        helper.make_node("ConstantOfShape", ["shape"], ["ones"], value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),  # fmt: skip
+        helper.make_node(
+            "ConstantOfShape",
+            ["shape"],
+            ["ones"],
+            value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0]),
+        ),
         helper.make_node("Add", ["x", "ones"], ["y"]),
     ]
     model = _model(nodes, [_init("shape", np.array([2, 4], np.int64))], [2, 4], [2, 4])
