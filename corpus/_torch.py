@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,9 @@ def image_entry(
         import torch
 
         torch.manual_seed(SEED)
-        return export_torch(build(), folder, image_inputs(size), image_shapes(size))
+        model = build()
+        # The ONNX input is named after forward()'s argument (``x``, or ``input`` for some).
+        arg = next(iter(inspect.signature(model.forward).parameters))
+        return export_torch(model, folder, image_inputs(size, arg), image_shapes(size, arg))
 
     return Entry(name, family, make, packages, about or f"{size}x{size} images")

@@ -33,9 +33,15 @@ def _tv_seg(name: str, **kwargs: Any) -> Any:
 
 def _vit() -> Any:
     tv = _compat.torchvision()
-    return tv.models.vision_transformer.VisionTransformer(
+    import torch
+
+    model = tv.models.vision_transformer.VisionTransformer(
         image_size=64, patch_size=16, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128
     )
+    # torchvision starts the head at zero (for fine-tuning): all-zero logits would compare
+    # equal whatever the engine computed, so give it random weights like the rest.
+    torch.nn.init.normal_(model.heads.head.weight, std=0.02)
+    return model
 
 
 def _swin() -> Any:

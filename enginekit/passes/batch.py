@@ -16,6 +16,7 @@ from enginekit.model import (
     random_feeds,
     reference_session,
 )
+from enginekit.passes.batch_proof import onnx_dims, ort_dims
 from enginekit.passes.batch_rules import PROVERS, rewrite_round
 from enginekit.passes.graph import _copy
 
@@ -103,6 +104,8 @@ def rewrite_batch(
     if dropped:
         rewritten.append(f"{dropped} initializer(s) removed from the graph inputs")
     batch = _fixed_batch(proto)
+    # Every tensor's shape at the fixed batch: the layout proof follows the batch through them.
+    static = {**ort_dims(proto), **onnx_dims(proto)} if batch is not None else {}
     for v in list(proto.graph.input) + list(proto.graph.output):
         dims = v.type.tensor_type.shape.dim
         if dims and (dims[0].HasField("dim_param") or dims[0].dim_value == batch):
@@ -113,7 +116,7 @@ def rewrite_batch(
     if batch is not None:
         done: set[str] = set()
         while True:
-            changed, unproven = rewrite_round(proto, batch, name, done, provers)
+            changed, unproven = rewrite_round(proto, batch, name, done, provers, static)
             rewritten += changed
             if not changed:
                 break

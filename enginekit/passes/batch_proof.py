@@ -180,3 +180,118 @@ def carriers(
                 proof[out] = "batch-axis"
                 found.add(out)
     return proof
+
+
+#: Where the batch sits in a tensor: (axis, outer) — the axis holds ``outer * batch * inner``
+#: elements, the batch between them (a batch folded into attention heads: ``[seq, b*heads, d]``).
+Placement = tuple[int, int]
+
+
+def _prod(values: Any) -> int:
+    out = 1
+    for v in values:
+        out *= int(v)
+    return out
+
+
+def reshape_placement(
+    src: tuple[int, ...], at: Placement, out: tuple[int, ...]
+) -> Placement | None:
+    """Where the batch lands when a tensor of (batch-1) shape ``src`` with the batch at ``at`` is
+    reshaped to ``out``: the first output axis that starts exactly at the batch's offset (the
+    batch its outermost factor), else an axis that holds that offset inside it; None when the
+    layouts do not line up."""
+    k, outer = at
+    before = _prod(src[:k]) * outer  # elements (in row-major order) before the batch's block
+    prefix = 1
+    inside: Placement | None = None
+    for j, d in enumerate(out):
+        if prefix == before:
+            return j, 1
+        if inside is None and before % prefix == 0:
+            o = before // prefix
+            if d % o == 0 and o <= d:
+                inside = (j, o)
+        prefix *= int(d)
+        if prefix > before:
+            break
+    return inside
+
+
+def placements(proto: onnx.ModelProto, sym: str, static: dict[str, Dims]) -> dict[str, Placement]:
+    """The batch's placement in every tensor it can be followed to, from the inputs (dim 0).
+
+    Args:
+        static: every tensor's shape at the model's fixed batch 1 (from shape inference on
+            the fixed model), to follow the batch through Reshape and Flatten by layout.
+    """
+    where: dict[str, Placement] = {}
+    for v in proto.graph.input:
+        dims = v.type.tensor_type.shape.dim
+        if dims and dims[0].dim_param == sym:
+            where[v.name] = (0, 1)
+
+    def ints(name: str) -> tuple[int, ...] | None:
+        d = static.get(name)
+        return tuple(int(x) for x in d) if d and all(isinstance(x, int) for x in d) else None
+
+    for node in proto.graph.node:
+        inputs = [i for i in node.input if i]
+        carried = [i for i in inputs if i in where]
+        if not carried or not node.output:
+            continue
+        op = node.op_type
+        first = inputs[0]
+        src = ints(first)
+        out = ints(node.output[0])
+        at: Placement | None = None
+        if op in _KEEP_FIRST and first in where:
+            at = where[first]
+        elif op in _BROADCAST or op in ("Softmax", "LogSoftmax", "LayerNormalization"):
+            k, o = where[carried[0]]
+            rank_in, rank_out = len(ints(carried[0]) or ()), len(out or ())
+            if op in _BROADCAST and rank_in and rank_out:
+                k += rank_out - rank_in
+            axis = _attr(node, "axis", -1)
+            if op in ("Softmax", "LogSoftmax", "LayerNormalization") and rank_out:
+                if (axis % rank_out if op != "LayerNormalization" else axis % rank_out) <= k:
+                    continue  # normalized over the batch's axis: it no longer separates rows
+            at = (k, o)
+        elif op == "Transpose" and first in where:
+            perm = list(_attr(node, "perm", []))
+            if perm:
+                at = (perm.index(where[first][0]), where[first][1])
+        elif op in ("MatMul", "Gemm") and first in where and src:
+            k, o = where[first]
+            trans = op == "Gemm" and _attr(node, "transA", 0)
+            if k < len(src) - 1 and not trans:
+                at = (k, o)
+        elif op in ("Reshape", "Flatten") and first in where and src and out:
+            at = reshape_placement(src, where[first], out)
+        elif op in ("Squeeze", "Unsqueeze", "ReduceMean", "ReduceSum", "ReduceMax") and src:
+            k, o = where[first]
+            axes = [a % max(len(src), 1) for a in _attr(node, "axes", [])]
+            if op == "Unsqueeze" and out:
+                axes = [a % len(out) for a in _attr(node, "axes", [])]
+                for a in sorted(axes):
+                    k += int(a <= k)
+            elif k in axes or not axes:
+                continue
+            elif op == "Squeeze" or not _attr(node, "keepdims", 1):
+                k -= sum(a < k for a in axes)
+            at = (k, o)
+        elif op in ("Gather", "Slice", "Split") and first in where or op == "Concat":
+            k, o = where[first] if first in where else where[carried[0]]
+            src = src if first in where else ints(carried[0])
+            axis = _attr(node, "axis", 0)
+            if op == "Slice":
+                continue  # axes as inputs since opset 10: not followed
+            if src and axis % len(src) == k:
+                continue
+            if op == "Gather" and src and out and len(out) < len(src):
+                k -= int(axis % len(src) < k)
+            at = (k, o)
+        if at is not None:
+            for name in node.output if op == "Split" else node.output[:1]:
+                where[name] = at
+    return where

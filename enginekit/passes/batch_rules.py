@@ -27,10 +27,19 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from enginekit.passes.batch_proof import Dims, carriers, onnx_dims, ort_dims
+from enginekit.passes.batch_proof import (
+    Dims,
+    Placement,
+    carriers,
+    onnx_dims,
+    ort_dims,
+    placements,
+    reshape_placement,
+)
 
-#: The sources of batch proofs, most trusted first (see :mod:`enginekit.passes.batch_proof`).
-PROVERS = ("onnx", "ort-symbolic", "batch-axis")
+#: The sources of batch proofs, most trusted first (see :mod:`enginekit.passes.batch_proof`);
+#: ``layout`` follows the batch into any axis (folded into attention heads) by memory layout.
+PROVERS = ("onnx", "ort-symbolic", "batch-axis", "layout")
 
 Setter = Callable[[np.ndarray], None]
 
@@ -104,9 +113,18 @@ class Round:
     proof: dict[str, str]
     consts: dict[str, tuple[np.ndarray, Setter]]
     producer: dict[str, onnx.NodeProto]
+    static: dict[str, Dims]
+    where: dict[str, Placement]
 
     @classmethod
-    def of(cls, proto: onnx.ModelProto, batch: int, sym: str, provers: Sequence[str]) -> Round:
+    def of(
+        cls,
+        proto: onnx.ModelProto,
+        batch: int,
+        sym: str,
+        provers: Sequence[str],
+        static: dict[str, Dims],
+    ) -> Round:
         sources = []
         if "onnx" in provers:
             sources.append(("onnx", onnx_dims(proto)))
@@ -123,7 +141,8 @@ class Round:
         if "batch-axis" not in provers:
             proof = {k: v for k, v in proof.items() if v != "batch-axis"}
         producer = {o: n for n in proto.graph.node for o in n.output if o}
-        return cls(proto, batch, sym, dims, proof, consts, producer)
+        where = placements(proto, sym, static) if "layout" in provers and batch == 1 else {}
+        return cls(proto, batch, sym, dims, proof, consts, producer, static, where)
 
     def const(self, name: str) -> np.ndarray | None:
         found = self.consts.get(name)
@@ -216,6 +235,38 @@ def reshape(r: Round, node: onnx.NodeProto) -> str | None:
     return f"{label(node)}: shape {values.tolist()}{piece} -> {new.tolist()} (proof: {proof})"
 
 
+def _ints(dims: Dims | None) -> tuple[int, ...] | None:
+    if dims and all(isinstance(d, int) for d in dims):
+        return tuple(int(d) for d in dims)  # type: ignore[arg-type]
+    return None
+
+
+def layout(r: Round, node: onnx.NodeProto) -> str | None:
+    """A Reshape of a tensor holding the batch in any axis (``[seq, b*heads, d]``), whose
+    constant shape bakes batch 1 in: the batch's axis in the output (by memory layout, as the
+    outermost factor it can be) becomes ``-1``, every other entry its size at batch 1."""
+    at = r.where.get(node.input[0])
+    src = _ints(r.static.get(node.input[0]))
+    out = _ints(r.static.get(node.output[0]))
+    values = r.const(node.input[1])
+    if at is None or src is None or out is None or values is None or values.ndim != 1:
+        return None
+    placed = reshape_placement(src, at, out)
+    if placed is None or len(values) != len(out):
+        return None
+    j, _ = placed
+    new = np.array(out, np.int64)
+    new[j] = -1
+    copies_batch = values[j] == 0 and (j, placed[1]) == at
+    if np.array_equal(values, new) or copies_batch:
+        return None
+    r.set_const(node, 1, new)
+    return (
+        f"{label(node)}: shape {values.tolist()} -> {new.tolist()} (proof: layout — the batch "
+        f"sits in axis {at[0]} of its input {node.input[0]!r} and lands in axis {j})"
+    )
+
+
 def flatten(r: Round, node: onnx.NodeProto) -> str | None:
     """At batch 1, Flatten(axis=0) equals Flatten(axis=1); only axis=1 follows the batch."""
     if _attr(node, "axis", 1) != 0 or r.batch != 1 or node.input[0] not in r.proof:
@@ -302,10 +353,19 @@ def _bakes_batch(r: Round, node: onnx.NodeProto) -> str | None:
 
 
 def rewrite_round(
-    proto: onnx.ModelProto, batch: int, sym: str, done: set[str], provers: Sequence[str]
+    proto: onnx.ModelProto,
+    batch: int,
+    sym: str,
+    done: set[str],
+    provers: Sequence[str],
+    static: dict[str, Dims],
 ) -> tuple[list[str], list[str]]:
-    """One round over the nodes: (changes made, what could not be proven)."""
-    r = Round.of(proto, batch, sym, provers)
+    """One round over the nodes: (changes made, what could not be proven).
+
+    Args:
+        static: every tensor's shape in the fixed model (before the batch was made symbolic).
+    """
+    r = Round.of(proto, batch, sym, provers, static)
     unproven: list[str] = []
 
     def changed(line: str | None, key: str) -> bool:
@@ -326,6 +386,8 @@ def rewrite_round(
             line = flatten(r, node)
         elif node.op_type == "Reshape" and len(node.input) > 1:
             line = reshape(r, node)
+            if line is None or line.startswith("unproven:"):
+                line = layout(r, node) or line
         if line is not None and changed(line, key):
             return [line], []
         if node.op_type == "Concat":

@@ -190,3 +190,30 @@ def test_unprovable_constant_is_named_with_what_to_do():
     text = str(err.value)
     assert "ConstantOfShape 'ones'" in text and "[2, 4]" in text
     assert "lint_batch" in text and "re-export" in text
+
+
+def test_batch_folded_into_attention_heads_follows_by_layout():
+    """nn.MultiheadAttention's layout at batch 1: [1, 17, 8] -> [17, 1, 8] -> heads folded with
+    the batch ([17, 1*2, 4]) -> [2, 17, 4] -> [1, 2, 17, 4]: constants that hold the batch in
+    axis 1, then inside a product."""
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
+        helper.make_node("Reshape", ["t", "heads"], ["h"]),
+        helper.make_node("Transpose", ["h"], ["th"], perm=[1, 0, 2]),
+        helper.make_node("Reshape", ["th", "split"], ["y"]),
+    ]
+    inits = [
+        _init("heads", np.array([17, 2, 4], np.int64)),
+        _init("split", np.array([1, 2, 17, 4], np.int64)),
+    ]
+    model = _model(nodes, inits, [1, 17, 8], [1, 2, 17, 4])
+    without = passes.rewrite_batch(model, provers=("onnx", "ort-symbolic", "batch-axis"))
+    with pytest.raises(ek.ModelError, match="at batch 3"):
+        ek.lint_batch(without.model, sizes=(1, 3))
+    result = passes.rewrite_batch(model)
+    assert result.unproven == ()
+    assert [line.split(" (proof")[0] for line in result.rewritten] == [
+        "Reshape 'h': shape [17, 2, 4] -> [17, -1, 4]",
+        "Reshape 'y': shape [1, 2, 17, 4] -> [-1, 2, 17, 4]",
+    ]
+    _assert_batch_dynamic(model, result.model)
