@@ -233,7 +233,10 @@ def placements(proto: onnx.ModelProto, sym: str, static: dict[str, Dims]) -> dic
 
     def ints(name: str) -> tuple[int, ...] | None:
         d = static.get(name)
-        return tuple(int(x) for x in d) if d and all(isinstance(x, int) for x in d) else None
+        if not d:
+            return None
+        found = [x for x in d if isinstance(x, int)]
+        return tuple(found) if len(found) == len(d) else None
 
     for node in proto.graph.node:
         inputs = [i for i in node.input if i]
@@ -254,7 +257,7 @@ def placements(proto: onnx.ModelProto, sym: str, static: dict[str, Dims]) -> dic
                 k += rank_out - rank_in
             axis = _attr(node, "axis", -1)
             if op in ("Softmax", "LogSoftmax", "LayerNormalization") and rank_out:
-                if (axis % rank_out if op != "LayerNormalization" else axis % rank_out) <= k:
+                if axis % rank_out <= k:
                     continue  # normalized over the batch's axis: it no longer separates rows
             at = (k, o)
         elif op == "Transpose" and first in where:
@@ -280,7 +283,7 @@ def placements(proto: onnx.ModelProto, sym: str, static: dict[str, Dims]) -> dic
             elif op == "Squeeze" or not _attr(node, "keepdims", 1):
                 k -= sum(a < k for a in axes)
             at = (k, o)
-        elif op in ("Gather", "Slice", "Split") and first in where or op == "Concat":
+        elif (op in ("Gather", "Slice", "Split") and first in where) or op == "Concat":
             k, o = where[first] if first in where else where[carried[0]]
             src = src if first in where else ints(carried[0])
             axis = _attr(node, "axis", 0)
