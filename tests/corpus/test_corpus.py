@@ -107,3 +107,37 @@ def test_compare_catches_wrong_values_and_shapes_relative_to_scale():
     err, why = harness.compare_sample({"y": wrong}, sample)
     assert err > 1e-3 and "differs from the framework" in why
     assert "shape" in harness.compare_sample({"y": ref[:, :2]}, sample)[1]
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "run_corpus", ROOT / "benchmarks" / "run_corpus.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_table_has_a_row_per_entry_and_a_column_per_backend():
+    script = _script()
+    results = [
+        harness.Result("a", "zoo", "onnxruntime", True, "", 1.25, 1e-7),
+        harness.Result("a", "zoo", "tvm", False, "build: BuildError: no | pipes", 0.5),
+        harness.Result("b", "keras", "onnxruntime", True, "", 2.0, 0.0),
+    ]
+    text = script.table(results, ["onnxruntime", "tvm"])
+    lines = text.splitlines()
+    assert lines[0] == "| model | family | onnxruntime | tvm |"
+    assert lines[2] == "| a | zoo | pass (1.2 s) | build: BuildError: no \\| pipes |"
+    assert lines[3] == "| b | keras | pass (2.0 s) | - |"
+    assert script.summary(results, ["onnxruntime", "tvm"]) == "onnxruntime: 2/2 pass; tvm: 0/1 pass"
+
+
+def test_script_refuses_unknown_entries_and_backends(capsys):
+    script = _script()
+    assert script.main(["--entries", "hf-bertt"]) == 2
+    assert "did you mean 'hf-bert'" in capsys.readouterr().err
+    assert script.main(["--entries", "hf-bert", "--backends", "onnxruntim"]) == 2
+    assert "did you mean 'onnxruntime'" in capsys.readouterr().err
