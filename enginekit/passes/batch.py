@@ -16,7 +16,7 @@ from enginekit.model import (
     random_feeds,
     reference_session,
 )
-from enginekit.passes.batch_proof import onnx_dims, ort_dims
+from enginekit.passes.batch_proof import Dims, fold_shape_constants, onnx_dims, ort_dims
 from enginekit.passes.batch_rules import PROVERS, rewrite_round
 from enginekit.passes.graph import _copy
 
@@ -75,6 +75,19 @@ def _fixed_batch(proto: onnx.ModelProto) -> int | None:
     return sizes.pop() if sizes else None
 
 
+def _static_dims(proto: onnx.ModelProto) -> dict[str, Dims]:
+    """Every tensor's shape in the fixed model: ONNX's inference, or ONNX Runtime's symbolic
+    one where only it computes every dim (it evaluates shape arithmetic ONNX's leaves open)."""
+    merged = dict(onnx_dims(proto))
+    for name, dims in ort_dims(proto).items():
+        known = merged.get(name)
+        if all(isinstance(d, int) for d in dims) and (
+            known is None or not all(isinstance(d, int) for d in known)
+        ):
+            merged[name] = dims
+    return merged
+
+
 def rewrite_batch(
     source: ModelSource, name: str = "batch", provers: Sequence[str] = PROVERS
 ) -> BatchRewrite:
@@ -104,8 +117,12 @@ def rewrite_batch(
     if dropped:
         rewritten.append(f"{dropped} initializer(s) removed from the graph inputs")
     batch = _fixed_batch(proto)
+    if batch is not None:
+        folded = fold_shape_constants(proto)
+        if folded:
+            rewritten.append(f"{folded} constant shape computation(s) folded")
     # Every tensor's shape at the fixed batch: the layout proof follows the batch through them.
-    static = {**ort_dims(proto), **onnx_dims(proto)} if batch is not None else {}
+    static = _static_dims(proto) if batch is not None else {}
     for v in list(proto.graph.input) + list(proto.graph.output):
         dims = v.type.tensor_type.shape.dim
         if dims and (dims[0].HasField("dim_param") or dims[0].dim_value == batch):

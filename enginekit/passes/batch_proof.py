@@ -198,23 +198,31 @@ def reshape_placement(
     src: tuple[int, ...], at: Placement, out: tuple[int, ...]
 ) -> Placement | None:
     """Where the batch lands when a tensor of (batch-1) shape ``src`` with the batch at ``at`` is
-    reshaped to ``out``: the first output axis that starts exactly at the batch's offset (the
-    batch its outermost factor), else an axis that holds that offset inside it; None when the
-    layouts do not line up."""
+    reshaped to ``out``; None when the layouts do not line up.
+
+    At batch 1 the layout leaves a choice: the batch can start the output axis that begins at
+    its offset (``[17, b, 64] -> [17, 4b, 16]``, attention heads) or end the axis before it
+    (``[17, b, 64] -> [17b, 64]``). The first is taken unless it would be the last axis (the
+    features a MatMul contracts over), where the second is.
+    """
     k, outer = at
     before = _prod(src[:k]) * outer  # elements (in row-major order) before the batch's block
     prefix = 1
     inside: Placement | None = None
+    starts: Placement | None = None
     for j, d in enumerate(out):
-        if prefix == before:
-            return j, 1
-        if inside is None and before % prefix == 0:
+        if prefix == before and starts is None:
+            starts = (j, 1)
+            break
+        if before % prefix == 0:
             o = before // prefix
             if d % o == 0 and o <= d:
                 inside = (j, o)
         prefix *= int(d)
         if prefix > before:
             break
+    if starts is not None and (starts[0] < len(out) - 1 or inside is None):
+        return starts
     return inside
 
 
@@ -230,6 +238,23 @@ def placements(proto: onnx.ModelProto, sym: str, static: dict[str, Dims]) -> dic
         dims = v.type.tensor_type.shape.dim
         if dims and dims[0].dim_param == sym:
             where[v.name] = (0, 1)
+    from onnx import numpy_helper
+
+    small: dict[str, Any] = {
+        t.name: numpy_helper.to_array(t) for t in proto.graph.initializer if len(t.dims) <= 1
+    }
+    for c in proto.graph.node:
+        if c.op_type == "Constant":
+            for a in c.attribute:
+                if a.name == "value" and len(a.t.dims) <= 1:
+                    small[c.output[0]] = numpy_helper.to_array(a.t)
+
+    def axes_of(node: onnx.NodeProto) -> list[int]:
+        """The axes attribute, or (opset 13+) the constant axes input."""
+        axes = _attr(node, "axes", None)
+        if axes is None and len(node.input) > 1 and node.input[1] in small:
+            axes = small[node.input[1]].reshape(-1).tolist()
+        return [int(a) for a in axes or []]
 
     def ints(name: str) -> tuple[int, ...] | None:
         d = static.get(name)
@@ -273,9 +298,9 @@ def placements(proto: onnx.ModelProto, sym: str, static: dict[str, Dims]) -> dic
             at = reshape_placement(src, where[first], out)
         elif op in ("Squeeze", "Unsqueeze", "ReduceMean", "ReduceSum", "ReduceMax") and src:
             k, o = where[first]
-            axes = [a % max(len(src), 1) for a in _attr(node, "axes", [])]
+            axes = [a % max(len(src), 1) for a in axes_of(node)]
             if op == "Unsqueeze" and out:
-                axes = [a % len(out) for a in _attr(node, "axes", [])]
+                axes = [a % len(out) for a in axes_of(node)]
                 for a in sorted(axes):
                     k += int(a <= k)
             elif k in axes or not axes:
@@ -298,3 +323,68 @@ def placements(proto: onnx.ModelProto, sym: str, static: dict[str, Dims]) -> dic
             for name in node.output if op == "Split" else node.output[:1]:
                 where[name] = at
     return where
+
+
+#: Shape arithmetic that old exporters leave unfolded (``x.expand(n, -1, -1)`` with ``n``
+#: baked in becomes ConstantOfShape -> Mul -> Equal -> Where): folded before proving.
+_FOLDABLE = frozenset(
+    "Add Sub Mul Div Equal Where ConstantOfShape Concat Unsqueeze Squeeze Gather Slice Cast "
+    "Reshape Range Mod Neg Abs Max Min Identity".split()
+)
+_FOLD_MAX_ELEMENTS = 64
+
+
+def fold_shape_constants(proto: onnx.ModelProto) -> int:
+    """Replace small constant-only shape computations by initializers, in place.
+
+    Only nodes whose every input is a constant and whose outputs are small integer tensors
+    (shapes, never weights): nothing that depends on the model's inputs changes. Returns how
+    many nodes were folded.
+    """
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    import numpy as np
+
+    values: dict[str, Any] = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    folded = []
+    for node in proto.graph.node:
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    values[node.output[0]] = numpy_helper.to_array(a.t)
+                elif a.name in ("value_ints", "value_int"):
+                    values[node.output[0]] = np.array(onnx.helper.get_attribute_value(a), np.int64)
+            continue
+        inputs = [i for i in node.input if i]
+        if node.op_type not in _FOLDABLE or not all(i in values for i in inputs):
+            continue
+        if any(np.asarray(values[i]).size > _FOLD_MAX_ELEMENTS for i in inputs):
+            continue
+        try:
+            graph = onnx.helper.make_graph(
+                [node], "fold", [], [onnx.ValueInfoProto(name=o) for o in node.output],
+                [numpy_helper.from_array(np.asarray(values[i]), i) for i in dict.fromkeys(inputs)],
+            )  # fmt: skip
+            model = onnx.helper.make_model(graph, opset_imports=proto.opset_import)
+            outs = ReferenceEvaluator(model).run(None, {})
+        except Exception:  # an op the reference evaluator cannot run: leave it
+            continue
+        if any(
+            np.asarray(o).dtype.kind not in "iub" or np.asarray(o).size > _FOLD_MAX_ELEMENTS
+            for o in outs
+        ):
+            continue
+        for name, out in zip(node.output, outs):
+            values[name] = np.asarray(out)
+        folded.append(node)
+    if not folded:
+        return 0
+    used = {i for n in proto.graph.node if n not in folded for i in n.input}
+    used |= {o.name for o in proto.graph.output}
+    for node in folded:
+        proto.graph.node.remove(node)
+        for name in node.output:
+            if name in used:
+                proto.graph.initializer.append(numpy_helper.from_array(values[name], name))
+    return len(folded)

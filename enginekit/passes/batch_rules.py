@@ -211,8 +211,8 @@ def reshape(r: Round, node: onnx.NodeProto) -> str | None:
         return None
     holder, index = where
     values = r.consts[holder.input[index]][0]
-    if values.ndim != 1 or not len(values) or values[0] != r.batch:
-        return None
+    if values.ndim != 1 or len(values) < 2 or values[0] != r.batch:
+        return None  # a 1-D target is shape arithmetic or a whole-tensor flatten
     allowzero = any(a.name == "allowzero" and a.i == 1 for a in node.attribute)
     proof = r.proof.get(node.input[0])
     new = values.astype(np.int64).copy()
@@ -292,6 +292,8 @@ def concat_peer(r: Round, concat: onnx.NodeProto, index: int, carrier: str) -> s
     where = f"{label(concat)} input {name!r}"
     maker = r.producer.get(name)
     dims = r.dims.get(name)
+    if not dims or not isinstance(dims[0], int):
+        dims = r.static.get(name, dims)  # its shape in the fixed model
     if maker is not None and maker.op_type in _SHAPE_MAKERS:
         shape_at, data_at = _SHAPE_MAKERS[maker.op_type]
         values = r.const(maker.input[shape_at]) if len(maker.input) > shape_at else None

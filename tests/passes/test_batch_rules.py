@@ -111,12 +111,15 @@ def test_channel_shuffle_5d_reshape_becomes_batch_dynamic():
 
 
 def test_concat_built_reshape_shape_is_rewritten_in_its_first_piece():
+    # shape = Concat([1], Shape(p)[1:2]): the batch baked into the first piece only.
     nodes = [
         helper.make_node("GlobalAveragePool", ["x"], ["p"]),
-        helper.make_node("Concat", ["lead", "rest"], ["shape"], axis=0),
+        helper.make_node("Shape", ["p"], ["s"]),
+        helper.make_node("Gather", ["s", "one"], ["c"], axis=0),
+        helper.make_node("Concat", ["lead", "c"], ["shape"], axis=0),
         helper.make_node("Reshape", ["p", "shape"], ["y"]),
     ]
-    inits = [_init("lead", np.array([1], np.int64)), _init("rest", np.array([-1], np.int64))]
+    inits = [_init("lead", np.array([1], np.int64)), _init("one", np.array([1], np.int64))]
     model = _model(nodes, inits, [1, 3, 4, 4], [1, 3])
     result = passes.rewrite_batch(model)
     assert any("first piece of Concat" in line for line in result.rewritten)
