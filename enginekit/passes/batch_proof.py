@@ -341,10 +341,9 @@ def fold_shape_constants(proto: onnx.ModelProto) -> int:
     (shapes, never weights): nothing that depends on the model's inputs changes. Returns how
     many nodes were folded.
     """
+    import numpy as np
     from onnx import numpy_helper
     from onnx.reference import ReferenceEvaluator
-
-    import numpy as np
 
     values: dict[str, Any] = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
     folded = []

@@ -211,8 +211,10 @@ def reshape(r: Round, node: onnx.NodeProto) -> str | None:
         return None
     holder, index = where
     values = r.consts[holder.input[index]][0]
-    if values.ndim != 1 or len(values) < 2 or values[0] != r.batch:
-        return None  # a 1-D target is shape arithmetic or a whole-tensor flatten
+    if values.ndim != 1 or not len(values) or values[0] != r.batch:
+        return None
+    if holder is node and len(values) == 1:
+        return None  # a 1-D target: shape arithmetic, or a whole-tensor flatten
     allowzero = any(a.name == "allowzero" and a.i == 1 for a in node.attribute)
     proof = r.proof.get(node.input[0])
     new = values.astype(np.int64).copy()
