@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt
 DEPS := pyproject.toml setup.py constraints.txt
 
-.PHONY: demo test lint format clean
+.PHONY: demo test lint format clean corpus
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,16 +22,20 @@ demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/demo.py
 
 lint: $(VENV)/.test-installed
-	$(BIN)/ruff check enginekit tests benchmarks examples
-	$(BIN)/ruff format --check enginekit tests benchmarks examples
+	$(BIN)/ruff check enginekit tests benchmarks examples corpus
+	$(BIN)/ruff format --check enginekit tests benchmarks examples corpus
 	$(BIN)/mypy
 
 format: $(VENV)/.test-installed
-	$(BIN)/ruff format enginekit tests benchmarks examples
-	$(BIN)/ruff check --fix enginekit tests benchmarks examples
+	$(BIN)/ruff format enginekit tests benchmarks examples corpus
+	$(BIN)/ruff check --fix enginekit tests benchmarks examples corpus
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# The whole corpus of real architectures on every backend available here; writes docs/coverage.md.
+corpus: $(VENV)/.test-installed
+	$(BIN)/python benchmarks/run_corpus.py --write-docs
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -16,7 +16,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from enginekit.calibration.collect import has_qdq, observe, weight_ranges
-from enginekit.calibration.data import DEFAULT_BATCH, DataHash, Holdout, batches
+from enginekit.calibration.data import (
+    DEFAULT_BATCH,
+    Chunking,
+    DataHash,
+    Holdout,
+    batches,
+    fixed_batch,
+)
 from enginekit.calibration.observers import (
     DEFAULT_BINS,
     DEFAULT_PERCENTILE,
@@ -42,8 +49,13 @@ def calibrate(
     batch_size: int = DEFAULT_BATCH,
     max_samples: int | None = None,
     profile: Mapping[str, ShapeProfile] | None = None,
+    remainder: str = "drop",
 ) -> CalibrationTable:
     """Calibrate a float ONNX model on representative data; CPU only, no GPU needed.
+
+    Any number of rows works: a fixed-batch model gets them in chunks of its batch (the
+    remainder dropped or padded, as ``remainder`` says, and recorded in ``table.chunking``);
+    a dynamic-batch one in batches up to ``profile``'s max.
 
     Args:
         model: path to an ONNX file, a ModelProto or a Model.
@@ -56,6 +68,8 @@ def calibrate(
         batch_size: rows per batch when ``data`` is a whole dataset in arrays.
         max_samples: stop after this many samples (e.g. for an endless generator).
         profile: input name -> ShapeProfile the data must fit (non-batch dims).
+        remainder: fixed-batch models: ``drop`` (default) or ``pad`` the rows that do not
+            fill a chunk (padded anyway when there is not one whole chunk).
 
     Returns:
         the CalibrationTable (save it with ``table.save("calib.json")``).
@@ -65,7 +79,7 @@ def calibrate(
     """
     return run(
         model, data, method, percentile=percentile, bins=bins, batch_size=batch_size,
-        max_samples=max_samples, profile=profile,
+        max_samples=max_samples, profile=profile, remainder=remainder,
     )  # fmt: skip
 
 
@@ -80,6 +94,7 @@ def run(
     max_samples: int | None = None,
     profile: Mapping[str, ShapeProfile] | None = None,
     holdout: Holdout | None = None,
+    remainder: str = "drop",
 ) -> CalibrationTable:
     """:func:`calibrate`, optionally setting samples aside in ``holdout`` (for verification)."""
     if method not in METHODS:
@@ -100,9 +115,16 @@ def run(
             digest.update(feeds)
             yield feeds
 
-    stream = hashed(batches(data, m.inputs, batch_size, max_samples, profile))
+    chunking = Chunking()
+    # A fixed-batch model: rows are set aside first, then the rest cut to the model's batch.
+    late = holdout is not None and fixed_batch(m.inputs) is not None
+    stream = hashed(
+        batches(data, m.inputs, batch_size, max_samples, profile, remainder, chunking, not late)
+    )
     if holdout is not None:
         stream = holdout.split(stream)
+    if late:
+        stream = batches(stream, m.inputs, batch_size, None, profile, remainder, chunking)
 
     def report(count: int, samples: int) -> None:
         log.info("calibration batch %d (%d samples so far)", count, samples)
@@ -126,6 +148,7 @@ def run(
         batches=count,
         percentile=float(percentile),
         bins=bins,
+        chunking=chunking.note(),
     )
 
 

@@ -15,10 +15,18 @@ Accepted sources (``data=``):
 
 An item with one dim fewer than its input is one sample (a batch of 1). Dtypes must match the
 model's exactly: enginekit never casts silently.
+
+Any number of rows works with any model: for a model with a fixed batch (a model-zoo file of
+batch 1), the rows are re-cut into chunks of exactly that batch, across the source's own
+batches; a remainder that does not fill a chunk is dropped (``remainder="drop"``, the default)
+or padded by repeating rows (``remainder="pad"``, and always when there is not one whole
+chunk), and said in a warning and in :class:`Chunking`. For a dynamic batch with a build
+profile, batches larger than the profile's max are split.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -152,7 +160,10 @@ def raw_batches(source: Any, names: Sequence[str], batch_size: int) -> Iterator[
 
 
 def normalize(
-    item: Any, specs: Sequence[TensorSpec], profile: Mapping[str, ShapeProfile] | None = None
+    item: Any,
+    specs: Sequence[TensorSpec],
+    profile: Mapping[str, ShapeProfile] | None = None,
+    any_rows: bool = False,
 ) -> Feeds:
     """One batch as ``{input name: array}``, checked against the model's input specs.
 
@@ -191,7 +202,7 @@ def normalize(
         )
     feeds = {}
     for spec, value in zip(specs, values):
-        feeds[spec.name] = _check(spec, _array(value, spec.name), profile)
+        feeds[spec.name] = _check_dims(spec, _array(value, spec.name), profile, any_rows)
     rows = {a.shape[0] for a in feeds.values() if a.ndim}
     if len(rows) > 1:
         listing = ", ".join(f"{n}: {a.shape}" for n, a in feeds.items())
@@ -201,6 +212,12 @@ def normalize(
 
 def _check(
     spec: TensorSpec, array: np.ndarray, profile: Mapping[str, ShapeProfile] | None
+) -> np.ndarray:
+    return _check_dims(spec, array, profile, any_rows=False)
+
+
+def _check_dims(
+    spec: TensorSpec, array: np.ndarray, profile: Mapping[str, ShapeProfile] | None, any_rows: bool
 ) -> np.ndarray:
     expected = np.dtype(spec.dtype)
     if array.dtype != expected:
@@ -220,6 +237,8 @@ def _check(
             f"{array.ndim}), the model takes rank {rank} {_shape_text(spec)}"
         )
     for axis, (d, want) in enumerate(zip(array.shape, spec.shape)):
+        if axis == 0 and any_rows:
+            continue  # re-cut to the model's batch afterwards
         if isinstance(want, int) and d != want:
             raise CalibrationError(
                 f"calibration data for input {spec.name!r}: shape {array.shape}, dim {axis} "
@@ -241,14 +260,113 @@ def _shape_text(spec: TensorSpec) -> str:
     return "[" + ", ".join(str(d) for d in spec.shape) + "]"
 
 
+REMAINDERS = ("drop", "pad")
+
+
+@dataclasses.dataclass
+class Chunking:
+    """How the rows were cut to the batch the model takes (filled in while batches stream).
+
+    Attributes:
+        size: the model's fixed batch, or the profile's max batch (None: no limit).
+        fixed: the model's batch is fixed (chunks are exactly ``size`` rows).
+        remainder: ``drop`` or ``pad``: what happens to rows that do not fill a chunk.
+        rows: rows read from the source; dropped / padded: rows dropped, rows added by padding.
+    """
+
+    size: int | None = None
+    fixed: bool = False
+    remainder: str = "drop"
+    rows: int = 0
+    dropped: int = 0
+    padded: int = 0
+
+    def note(self) -> str:
+        """One line for warnings and the manifest; empty when nothing was re-cut."""
+        if not self.fixed or not (self.dropped or self.padded or self.rows % (self.size or 1)):
+            return ""
+        what = f"dropped the last {self.dropped}" if self.dropped else f"padded {self.padded}"
+        return (
+            f"the model's batch is fixed at {self.size}: {self.rows} rows cut into chunks of "
+            f"{self.size}; {what} row(s) ({'repeated rows' if self.padded else 'remainder'})"
+        )
+
+
+def fixed_batch(specs: Sequence[TensorSpec]) -> int | None:
+    """The model's fixed leading batch when every input has the same int dim 0, else None."""
+    leads = {s.shape[0] if s.shape else None for s in specs}
+    if len(leads) == 1:
+        lead = leads.pop()
+        return lead if isinstance(lead, int) else None
+    return None
+
+
+def _max_batch(
+    specs: Sequence[TensorSpec], profile: Mapping[str, ShapeProfile] | None
+) -> int | None:
+    if not profile:
+        return None
+    sizes = [profile[s.name].max[0] for s in specs if s.name in profile and profile[s.name].max]
+    return min(sizes) if sizes else None
+
+
+def _recut(stream: Iterable[Feeds], chunking: Chunking) -> Iterator[Feeds]:
+    """Re-cut batches into chunks of exactly ``chunking.size`` rows (fixed batch)."""
+    size = int(chunking.size or 1)
+    pending: list[Feeds] = []
+    held = emitted = 0
+    for feeds in stream:
+        rows = _rows_of(feeds)
+        chunking.rows += rows
+        pending.append(feeds)
+        held += rows
+        while held >= size:
+            joined = {n: np.concatenate([p[n] for p in pending]) for n in pending[0]}
+            yield {n: a[:size] for n, a in joined.items()}
+            emitted += 1
+            rest = {n: a[size:] for n, a in joined.items()}
+            held -= size
+            pending = [rest] if held else []
+    if not held:
+        return
+    if chunking.remainder == "pad" or emitted == 0:
+        joined = {n: np.concatenate([p[n] for p in pending]) for n in pending[0]}
+        index = np.arange(size) % held
+        chunking.padded = size - held
+        yield {n: a[index] for n, a in joined.items()}
+    else:
+        chunking.dropped = held
+
+
+def _split(stream: Iterable[Feeds], chunking: Chunking) -> Iterator[Feeds]:
+    """Split batches larger than ``chunking.size`` (the profile's max batch)."""
+    size = int(chunking.size or 1)
+    for feeds in stream:
+        rows = _rows_of(feeds)
+        chunking.rows += rows
+        for start in range(0, rows, size):
+            yield {n: a[start : start + size] for n, a in feeds.items()}
+
+
 def batches(
     source: Any,
     specs: Sequence[TensorSpec],
     batch_size: int = DEFAULT_BATCH,
     max_samples: int | None = None,
     profile: Mapping[str, ShapeProfile] | None = None,
+    remainder: str = "drop",
+    chunking: Chunking | None = None,
+    recut: bool = True,
 ) -> Iterator[Feeds]:
-    """Checked batches from any accepted source, stopping after ``max_samples`` samples.
+    """Checked batches from any accepted source, stopping after ``max_samples`` samples, cut
+    to the batch the model takes (see the module docs).
+
+    Args:
+        remainder: for a fixed-batch model, ``drop`` or ``pad`` the rows that do not fill a
+            chunk (padded anyway when there is not one whole chunk).
+        chunking: filled in with what the cutting did (for the manifest); a warning says it too.
+        recut: False leaves a fixed-batch model's rows uncut (any count per batch), for a
+            caller that cuts them later (after setting some aside).
 
     Raises:
         CalibrationError: a malformed source or batch (see :func:`normalize`).
@@ -257,22 +375,48 @@ def batches(
         raise CalibrationError(f"batch_size={batch_size}: expected at least 1")
     if max_samples is not None and max_samples < 1:
         raise CalibrationError(f"max_samples={max_samples}: expected at least 1")
+    if remainder not in REMAINDERS:
+        raise CalibrationError(f"remainder={remainder!r}: expected one of {', '.join(REMAINDERS)}")
+    chunking = chunking if chunking is not None else Chunking()
+    chunking.remainder = remainder
+    fixed = fixed_batch(specs)
+    chunking.fixed = fixed is not None
+    chunking.size = fixed if fixed is not None else _max_batch(specs, profile)
+    if fixed is not None:
+        batch_size = max(batch_size - batch_size % fixed, fixed)  # whole chunks per read
+    elif chunking.size is not None:
+        batch_size = min(batch_size, chunking.size)
     names = [s.name for s in specs]
-    seen = 0
-    for item in raw_batches(source, names, batch_size):
-        feeds = normalize(item, specs, profile)
-        rows = _rows_of(feeds)
-        if rows == 0:
-            continue
-        if max_samples is not None and seen + rows > max_samples:
-            keep = max_samples - seen
-            feeds = {n: a[:keep] for n, a in feeds.items()}
-            rows = keep
-        # Memory-mapped slices become real arrays here, one batch at a time.
-        yield {n: np.ascontiguousarray(a) for n, a in feeds.items()}
-        seen += rows
-        if max_samples is not None and seen >= max_samples:
-            return
+
+    def checked() -> Iterator[Feeds]:
+        seen = 0
+        for item in raw_batches(source, names, batch_size):
+            feeds = normalize(item, specs, profile, any_rows=fixed is not None)
+            rows = _rows_of(feeds)
+            if rows == 0:
+                continue
+            if max_samples is not None and seen + rows > max_samples:
+                keep = max_samples - seen
+                feeds = {n: a[:keep] for n, a in feeds.items()}
+                rows = keep
+            # Memory-mapped slices become real arrays here, one batch at a time.
+            yield {n: np.ascontiguousarray(a) for n, a in feeds.items()}
+            seen += rows
+            if max_samples is not None and seen >= max_samples:
+                return
+
+    if fixed is not None and not recut:
+        yield from checked()
+    elif fixed is not None:
+        yield from _recut(checked(), chunking)
+        if chunking.note():
+            log.warning("calibration data: %s", chunking.note())
+    elif chunking.size is not None:
+        yield from _split(checked(), chunking)
+    else:
+        for feeds in checked():
+            chunking.rows += _rows_of(feeds)
+            yield feeds
 
 
 def _rows_of(feeds: Feeds) -> int:

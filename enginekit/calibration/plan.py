@@ -190,7 +190,8 @@ def verify(
         data = batches(q.verify_data, model.inputs, DEFAULT_BATCH, VERIFY_CAP, _profile(config))
         label = "verify_data"
     elif quantized.held_out:
-        data = iter(quantized.held_out)
+        # Through batches(): held-out rows are re-cut to a fixed-batch model's batch.
+        data = batches(quantized.held_out, model.inputs, DEFAULT_BATCH, None, _profile(config))
         label = f"held-out calibration samples (every {HOLDOUT_EVERY}th)"
     else:
         if q.gates.min_top1_agreement is not None:

@@ -112,6 +112,8 @@ class CalibrationTable:
         samples, batches: how much data was seen.
         percentile: the percentile used by the ``percentile`` method.
         bins: histogram resolution used.
+        chunking: how the rows were cut to a fixed-batch model's batch, and what was dropped
+            or padded (empty when nothing was).
     """
 
     method: str
@@ -123,6 +125,7 @@ class CalibrationTable:
     batches: int
     percentile: float = DEFAULT_PERCENTILE
     bins: int = DEFAULT_BINS
+    chunking: str = ""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -195,6 +198,7 @@ class CalibrationTable:
             "samples": self.samples,
             "data_sha256": self.data_sha256,
             "model_sha256": self.model_sha256,
+            **({"chunking": self.chunking} if self.chunking else {}),
         }
 
     # -- other methods from the same histograms ------------------------------------------------
@@ -228,6 +232,7 @@ class CalibrationTable:
             "batches": self.batches,
             "tensors": {n: r.to_json(histograms) for n, r in self.tensors.items()},
             "weights": {n: w.to_json() for n, w in self.weights.items()},
+            **({"chunking": self.chunking} if self.chunking else {}),
         }
 
     @classmethod
@@ -264,6 +269,7 @@ class CalibrationTable:
                 batches=int(data["batches"]),
                 percentile=float(data["percentile"]),
                 bins=int(data["bins"]),
+                chunking=str(data.get("chunking", "")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CalibrationError(

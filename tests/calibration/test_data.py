@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import enginekit as ek
-from enginekit.calibration.data import Holdout, batches
+from enginekit.calibration.data import Chunking, Holdout, batches
 from enginekit.config import ShapeProfile
 from enginekit.engine import TensorSpec
 from enginekit.errors import CalibrationError
@@ -123,8 +123,8 @@ def test_dims_outside_the_profile_are_refused():
     profile = {"ids": ShapeProfile((1, 2), (4, 8), (8, 16))}
     with pytest.raises(CalibrationError, match=r"dim 1 is outside the build profile 2\.\.16"):
         list(batches([np.zeros((2, 20), np.int64)], [spec], profile=profile))
-    # The batch dim is not limited: calibration runs the float model.
-    assert _rows(batches([np.zeros((40, 8), np.int64)], [spec], profile=profile)) == [40]
+    # Any number of rows: batches past the profile's max batch are split to it.
+    assert _rows(batches([np.zeros((40, 8), np.int64)], [spec], profile=profile)) == [8] * 5
 
 
 def test_missing_files_and_unsupported_sources(tmp_path):
@@ -171,3 +171,78 @@ def test_data_hash_depends_on_the_data(tiny_cnn_path, calib_x):
     assert a.data_sha256 != b.data_sha256
     assert a.samples == 64 and b.samples == 32
     assert a["x"].amax == c["x"].amax and a["logits"].max == pytest.approx(c["logits"].max)
+
+
+FIXED1 = TensorSpec("x", "float32", (1, 4))
+FIXED4 = TensorSpec("x", "float32", (4, 4))
+
+
+def test_any_row_count_is_cut_to_a_fixed_batch_of_1():
+    data = np.arange(16 * 4, dtype=np.float32).reshape(16, 4)
+    chunking = Chunking()
+    got = list(batches(data, [FIXED1], chunking=chunking))
+    assert [b["x"].shape for b in got] == [(1, 4)] * 16
+    np.testing.assert_array_equal(np.concatenate([b["x"] for b in got]), data)
+    assert chunking.rows == 16 and chunking.note() == ""
+
+
+def test_fixed_batch_remainder_is_dropped_or_padded_and_said(caplog):
+    data = np.arange(10 * 4, dtype=np.float32).reshape(10, 4)
+    # Source batches of 3 rows do not line up with the model's 4: rows are re-cut across them.
+    source = [data[i : i + 3] for i in range(0, 10, 3)]
+    dropped = Chunking()
+    with caplog.at_level("WARNING"):
+        got = list(batches(source, [FIXED4], chunking=dropped))
+    assert [b["x"].shape[0] for b in got] == [4, 4]
+    np.testing.assert_array_equal(np.concatenate([b["x"] for b in got]), data[:8])
+    assert dropped.dropped == 2 and "dropped the last 2" in dropped.note()
+    assert "fixed at 4" in caplog.text
+    padded = Chunking()
+    got = list(batches(data, [FIXED4], remainder="pad", chunking=padded))
+    assert [b["x"].shape[0] for b in got] == [4, 4, 4]
+    np.testing.assert_array_equal(got[-1]["x"], data[[8, 9, 8, 9]])
+    assert padded.padded == 2 and "padded 2" in padded.note()
+    # Fewer rows than one chunk: padded whatever remainder= says.
+    (only,) = list(batches(data[:3], [FIXED4]))
+    np.testing.assert_array_equal(only["x"], data[[0, 1, 2, 0]])
+
+
+def test_calibrating_a_fixed_batch_model_records_the_chunking(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    import enginekit as ek
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "fixed4.onnx"
+    onnx.save(model, path)
+    rows = np.random.default_rng(0).standard_normal((18, 4)).astype(np.float32)
+    table = ek.calibrate(path, rows, method="minmax")
+    assert table.samples == 16 and table.batches == 4
+    assert "dropped the last 2" in table.chunking
+    assert table.manifest_entry()["chunking"] == table.chunking
+    assert ek.CalibrationTable.from_json(table.to_json()).chunking == table.chunking
+    padded = ek.calibrate(path, rows, method="minmax", remainder="pad")
+    assert padded.samples == 20 and "padded 2" in padded.chunking
+
+
+def test_int8_build_of_a_fixed_batch_1_model_takes_16_calibration_rows(tmp_path):
+    import onnx
+
+    model = calib_models.tiny_cnn()
+    for v in (model.graph.input[0], model.graph.output[0]):
+        v.type.tensor_type.shape.dim[0].Clear()
+        v.type.tensor_type.shape.dim[0].dim_value = 1
+    path = tmp_path / "fixed1.onnx"
+    onnx.save(model, path)
+    rows = np.random.default_rng(1).standard_normal((16, 3, 8, 8)).astype(np.float32)
+    engine = ek.build(path, precision="int8", calib_data=rows)
+    calib = engine.manifest["calibration"]
+    assert calib["samples"] == 15  # every 10th row held out for the accuracy check
+    assert engine.infer(rows[:1])["logits"].shape == (1, 4)
