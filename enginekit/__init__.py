@@ -9,20 +9,26 @@ table = ek.calibrate("model.onnx", calib_x)                      # INT8 ranges, 
 engine8 = ek.build("model.onnx", precision="int8", calibration=table, verify_data=val_x)
 report = ek.compare("model.onnx", backends=["onnxruntime"], shapes=...)  # report.passed gates CI
 result = ek.bench(engine, batch_sizes=[1, 8, 32], duration=5.0)
+summary = ek.infer_dataset("m.ekit", "data.parquet", "preds/")    # resumable batch inference
+ds = ek.ray.map_engine(ray_dataset, "m.ekit")                      # the same on Ray Data
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from enginekit.backends import Availability, load
 from enginekit.build import STRATEGIES, build
 from enginekit.calibration import CalibrationTable, calibrate
 from enginekit.config import BuildConfig, Precision, ShapeProfile, parse_shapes
+from enginekit.dataset import ImagePreprocess, InferSummary, infer_dataset
 from enginekit.engine import Engine, TensorSpec
 from enginekit.errors import (
     ArtifactError,
     BackendUnavailable,
     BuildError,
     CalibrationError,
+    DatasetError,
     EngineInputError,
     EnginekitError,
     ExportError,
@@ -52,6 +58,17 @@ def available_backends() -> list[Availability]:
     return [registry.availability(n) for n in registry.names()]
 
 
+def __getattr__(name: str) -> Any:
+    # ek.ray imports Ray (an extra, and slow to import): only when first used.
+    if name == "ray":
+        import importlib
+
+        module = importlib.import_module("enginekit.dataset.ray")
+        globals()["ray"] = module
+        return module
+    raise AttributeError(f"module 'enginekit' has no attribute {name!r}")
+
+
 __all__ = [
     "ArtifactError",
     "Availability",
@@ -63,10 +80,13 @@ __all__ = [
     "CalibrationTable",
     "Candidate",
     "CompareReport",
+    "DatasetError",
     "Engine",
     "EngineInputError",
     "EnginekitError",
     "ExportError",
+    "ImagePreprocess",
+    "InferSummary",
     "Model",
     "ModelError",
     "Precision",
@@ -81,6 +101,7 @@ __all__ = [
     "calibrate",
     "compare",
     "export",
+    "infer_dataset",
     "lint_batch",
     "load",
     "load_model",

@@ -45,3 +45,8 @@ class CalibrationError(BuildError):
 
 class UsageError(EnginekitError, ValueError):
     """Arguments that are out of range or cannot work together (CLI exit code 2)."""
+
+
+class DatasetError(EnginekitError):
+    """A dataset job cannot run: a source or output is unreadable, mismatched or already there,
+    or a resume would mix results of another model or source."""
