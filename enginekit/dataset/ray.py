@@ -49,7 +49,7 @@ class EngineActor:
 
     def __init__(
         self,
-        blob: bytes | None,
+        blob: list[Any] | None,
         path: str,
         sha256: str,
         columns: Mapping[str, str],
@@ -60,7 +60,10 @@ class EngineActor:
         from enginekit.backends import load
 
         if blob is not None:
-            got = hashlib.sha256(blob).hexdigest()
+            # The ObjectRef travels inside a list: Ray passes it through unresolved, and this
+            # actor fetches the bytes from the object store (once per actor).
+            data = ray.get(blob[0])
+            got = hashlib.sha256(data).hexdigest()
             if got != sha256:
                 raise ArtifactError(
                     f"artifact {path} reached this Ray worker with SHA-256 {got[:12]}, expected "
@@ -68,7 +71,7 @@ class EngineActor:
                 )
             self._dir = tempfile.TemporaryDirectory(prefix="enginekit-ray-")
             local = Path(self._dir.name) / Path(path).name
-            local.write_bytes(blob)
+            local.write_bytes(data)
         else:
             local = Path(path)
             if not local.exists():
@@ -87,24 +90,43 @@ class EngineActor:
         self.keep_inputs = keep_inputs
         self.cast = cast
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def __call__(self, batch: Any) -> dict[str, np.ndarray]:
+        """One batch: a dict of numpy arrays (``batch_format="numpy"``) or a pyarrow Table."""
+        columns = _columns(batch)
         feeds = {}
         for spec in self.engine.inputs:
             col = self.columns[spec.name]
-            if col not in batch:
+            if col not in columns:
                 raise UsageError(
                     f"Ray batch has no column {col!r} for engine input {spec.name!r}; columns "
-                    f"are {', '.join(map(repr, batch))} — map it with columns={{...}}"
+                    f"are {', '.join(map(repr, columns))} — map it with columns={{...}}"
                 )
-            a = batch[col]
-            if a.dtype == object:  # variable-shaped lists arrive as arrays of arrays
-                a = np.stack(list(a))
-            feeds[spec.name] = check_rows(spec, a, f"column {col!r}", self.cast)
+            feeds[spec.name] = check_rows(spec, columns[col](), f"column {col!r}", self.cast)
         outputs = self.engine.infer(feeds)
         used = set(self.columns.values())
-        result = {k: v for k, v in batch.items() if self.keep_inputs or k not in used}
+        result = {k: get() for k, get in columns.items() if self.keep_inputs or k not in used}
         result.update(outputs)
         return result
+
+
+def _dense(a: np.ndarray) -> np.ndarray:
+    """Lists (nested, as Ray's numpy format gives them: arrays of arrays) as one array."""
+    if a.dtype != object or not len(a) or isinstance(a[0], str):
+        return a
+    return np.stack([_dense(np.asarray(e)) for e in a])
+
+
+def _columns(batch: Any) -> dict[str, Any]:
+    """name -> a function giving the column as numpy rows (zero-copy where Arrow allows)."""
+    from enginekit.dataset.columns import to_numpy
+
+    if isinstance(batch, Mapping):
+        return {k: (lambda v=v: _dense(np.asarray(v))) for k, v in batch.items()}
+
+    def getter(name: str) -> Any:
+        return lambda: to_numpy(batch.column(name), f"column {name!r}")
+
+    return {name: getter(name) for name in batch.column_names}
 
 
 def map_engine(
@@ -112,6 +134,7 @@ def map_engine(
     artifact: str | os.PathLike,
     *,
     batch_size: int | str | None = "auto",
+    batch_format: str = "numpy",
     columns: Mapping[str, str] | None = None,
     keep_inputs: bool = False,
     concurrency: int | tuple[int, int] = 1,
@@ -131,6 +154,8 @@ def map_engine(
         artifact: an ``.ekit`` file or artifact folder.
         batch_size: rows per engine call; ``"auto"`` measures on the driver
             (:func:`enginekit.dataset.autobatch.choose_batch_size` on the dataset's first rows).
+        batch_format: ``"numpy"`` (zero-copy for Ray's tensor columns) or ``"pyarrow"``
+            (zero-copy for fixed-size list columns, as Parquet stores tensors).
         columns: engine input -> dataset column, where the names differ.
         concurrency: actors in the pool (an int, or ``(min, max)`` for an autoscaling pool).
         num_cpus, num_gpus: resources reserved per actor.
@@ -149,7 +174,7 @@ def map_engine(
     if ship == "bytes" and path.is_dir():
         raise UsageError(f"ship='bytes' needs an .ekit file; {path} is a folder (use ship='path')")
     sha = _sha256(path)
-    blob = ray.put(path.read_bytes()) if ship == "bytes" else None
+    blob = [ray.put(path.read_bytes())] if ship == "bytes" else None
     if batch_size == "auto":
         batch_size = _auto_batch(dataset, path, columns or {}, max_memory, cast, device)
     compute = ray.data.ActorPoolStrategy(
@@ -168,7 +193,7 @@ def map_engine(
             device,
         ),
         batch_size=batch_size,
-        batch_format="numpy",
+        batch_format=batch_format,
         zero_copy_batch=True,
         compute=compute,
         num_cpus=num_cpus,
@@ -192,8 +217,7 @@ def _auto_batch(
         batch = dataset.take_batch(64, batch_format="numpy")
         sample = {}
         for spec in engine.inputs:
-            a = batch[columns.get(spec.name, spec.name)]
-            a = np.stack(list(a)) if a.dtype == object else a
+            a = _dense(np.asarray(batch[columns.get(spec.name, spec.name)]))
             sample[spec.name] = check_rows(spec, np.ascontiguousarray(a), spec.name, cast)
         return choose_batch_size(engine, sample, parse_memory(max_memory)).batch_size
 
@@ -231,7 +255,9 @@ def ray_batches(
         skip = start - row
         needed = list(dict.fromkeys([*src.mapping.values(), *src.keep]))
         ds = ray.data.read_parquet(files, columns=needed)
-        mapped = map_engine(ds, artifact, batch_size=size, columns=src.mapping)
+        mapped = map_engine(
+            ds, artifact, batch_size=size, batch_format="pyarrow", columns=src.mapping
+        )
         names = src.keep or []
 
         def pieces() -> Iterator[Piece]:
