@@ -108,6 +108,10 @@ def _prepare_output(output: Path, resume: bool, overwrite: bool) -> ledger_mod.L
             f"output {output} has files but no ledger ({ledger_mod.NAME}): nothing to resume; "
             "pass --overwrite if it is yours to replace, or pick a new output folder"
         )
+    # Temporaries of writes a crash interrupted: never committed, never read.
+    for p in output.iterdir():
+        if p.name.startswith((".part-", f".{ledger_mod.NAME}.tmp-")):
+            p.unlink()
     return found
 
 
