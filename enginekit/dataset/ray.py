@@ -244,35 +244,32 @@ def ray_batches(
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True
-        # Whole files before ``start`` are not read; the rest of the gap is dropped below.
-        row, files = 0, []
+        # One read task per row group from ``start`` on (the rows of the first one before
+        # ``start`` are sliced off there), so a resumed run reads nothing it does not need.
+        # (This also steps around ray.data.read_parquet's threaded file listing, which races
+        # importing fsspec's HTTP filesystem when aiohttp is not installed.)
+        parts, row = [], 0
         for f, groups in zip(src.files, src._meta):
-            n = sum(groups)
-            if row + n <= start and not files:
+            for g, n in enumerate(groups):
+                if row + n > start:
+                    parts.append({"file": str(f), "group": g, "skip": max(start - row, 0)})
                 row += n
-                continue
-            files.append(str(f))
-        skip = start - row
         needed = list(dict.fromkeys([*src.mapping.values(), *src.keep]))
-        ds = ray.data.read_parquet(files, columns=needed)
+        ds = ray.data.from_items(parts, override_num_blocks=max(1, len(parts))).map_batches(
+            read_row_groups, batch_size=1, batch_format="numpy", fn_kwargs={"columns": needed}
+        )
         mapped = map_engine(
             ds, artifact, batch_size=size, batch_format="pyarrow", columns=src.mapping
         )
         names = src.keep or []
 
         def pieces() -> Iterator[Piece]:
-            nonlocal skip
             at = start
             for b in mapped.iter_batches(batch_size=size, batch_format="numpy"):
                 n = len(next(iter(b.values())))
-                lo = min(skip, n)
-                skip -= lo
-                if lo == n:
-                    continue
-                ids = _ids(b, names, at, lo, n)
-                outs = {k: v[lo:] for k, v in b.items() if k not in names}
-                yield Piece(ids, outs, n - lo)
-                at += n - lo
+                outs = {k: v for k, v in b.items() if k not in names}
+                yield Piece(_ids(b, names, at, n), outs, n)
+                at += n
 
         for batch in rebatch(pieces(), size, shard_rows, start):
             assert isinstance(batch, Batch)
@@ -282,11 +279,21 @@ def ray_batches(
             ray.shutdown()
 
 
-def _ids(
-    batch: Mapping[str, np.ndarray], names: list[str], at: int, lo: int, n: int
-) -> dict[str, Any]:
+def read_row_groups(batch: Mapping[str, np.ndarray], columns: list[str]) -> Any:
+    """A Ray read task: the listed Parquet row groups, each from its ``skip``-th row on."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = [
+        pq.ParquetFile(str(f)).read_row_group(int(g), columns=columns).slice(int(skip))
+        for f, g, skip in zip(batch["file"], batch["group"], batch["skip"])
+    ]
+    return pa.concat_tables(tables)
+
+
+def _ids(batch: Mapping[str, np.ndarray], names: list[str], at: int, n: int) -> dict[str, Any]:
     import pyarrow as pa
 
     if not names:
-        return {"row": pa.array(np.arange(at, at + n - lo, dtype=np.int64))}
-    return {k: pa.array(batch[k][lo:]) for k in names}
+        return {"row": pa.array(np.arange(at, at + n, dtype=np.int64))}
+    return {k: pa.array(batch[k]) for k in names}

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("pyarrow", reason="the dataset jobs read and write Arrow/Parquet")
 
-from models import CASES  # noqa: E402
+from models import CASES
 
 
 @pytest.fixture(scope="session")
