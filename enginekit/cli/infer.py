@@ -49,7 +49,11 @@ def add(sub: Any) -> None:
     again.add_argument("--resume", action="store_true", help="continue an interrupted run")
     again.add_argument("--overwrite", action="store_true", help="replace an earlier run's output")
     p.add_argument("--prefetch", type=int, default=4, help="batches read ahead (default 4)")
-    p.add_argument("--decode-workers", type=int, help="image decoding processes (0: a thread)")
+    p.add_argument(
+        "--decode-workers",
+        type=int,
+        help="image decoding workers (processes from 2000 images on; 0: none)",
+    )
     p.add_argument("--cast", action="store_true", help="convert numeric columns to input dtypes")
     img = p.add_argument_group("image preprocessing (image folders)")
     img.add_argument("--resize", metavar="N|HxW", help="shorter side to N, or exactly HxW")

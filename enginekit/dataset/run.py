@@ -161,7 +161,8 @@ def infer_dataset(
         max_memory: memory budget for the batches in flight (``"4GiB"``, bytes); bounds the
             automatic batch size.
         prefetch: batches read ahead of the engine (and written behind it).
-        decode_workers: image decoding processes (default: up to 4; 0 decodes in a thread).
+        decode_workers: image decoding workers (default: up to 4; 0 decodes in the reader
+            thread): processes from 2000 images on, threads below.
         cast: convert numeric columns to the input dtypes instead of refusing them.
         progress: a progress bar (default: only when stderr is a terminal).
         ray: run the engine on a Ray cluster (True: local or ``RAY_ADDRESS``; or an address)

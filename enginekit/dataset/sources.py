@@ -321,9 +321,15 @@ class NumpySource(Source):
 # -- images ---------------------------------------------------------------------------------------
 
 
+#: From this many images on, decoding runs in worker processes (each takes a second or so to
+#: start, which a large folder repays); below it, in threads (Pillow releases the GIL while it
+#: decodes and resizes).
+PROCESS_MIN_IMAGES = 2000
+
+
 class ImageSource(Source):
-    """A folder of image files (sorted by path), decoded with a declared preprocessing; decoding
-    runs in a pool of worker processes, a few batches ahead of the engine."""
+    """A folder of image files (sorted by path), decoded with a declared preprocessing, a few
+    batches ahead of the engine: in worker processes for large folders, else in threads."""
 
     def __init__(
         self,
@@ -348,7 +354,8 @@ class ImageSource(Source):
         self.cast = cast
         self.rows = len(self.files)
         self.workers = min(os.cpu_count() or 1, 4) if workers is None else workers
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self.processes = self.rows >= PROCESS_MIN_IMAGES
+        self._pool: concurrent.futures.Executor | None = None
         self.fingerprint = file_fingerprint(self.files, path, self.preprocess.to_json())
         self.description = f"images:{path}"
 
@@ -357,12 +364,16 @@ class ImageSource(Source):
             done: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
             done.set_result(decode_many(self.preprocess, paths))
             return done
-        if self._pool is None:
+        if self._pool is None and self.processes:
             import multiprocessing
 
-            # forkserver/spawn: the parent runs threads (and an engine); fork would copy them.
+            # spawn: the parent runs threads (and an engine); fork would copy them mid-work.
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 self.workers, mp_context=multiprocessing.get_context("spawn")
+            )
+        elif self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self.workers, thread_name_prefix="enginekit-decode"
             )
         return self._pool.submit(decode_many, self.preprocess, paths)
 

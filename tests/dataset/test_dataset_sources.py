@@ -78,7 +78,7 @@ def test_npy_npz_files_and_folders(ekit, cnn, tmp_path):
             np.testing.assert_array_equal(got[k], v)
 
 
-def test_image_folder_with_declared_preprocessing(cnn, tmp_path):
+def test_image_folder_with_declared_preprocessing(cnn, tmp_path, monkeypatch):
     from PIL import Image
 
     rng = np.random.default_rng(0)
@@ -111,6 +111,14 @@ def test_image_folder_with_declared_preprocessing(cnn, tmp_path):
     np.testing.assert_allclose(
         got["output"], naive(cnn, {"x": np.stack(rows)}, 4)["output"], rtol=1e-5, atol=1e-5
     )
+    # Decoding in worker processes (what large folders get) gives the same rows.
+    from enginekit.dataset import sources
+
+    monkeypatch.setattr(sources, "PROCESS_MIN_IMAGES", 1)
+    ek.infer_dataset(
+        cnn, folder, tmp_path / "procs", batch_size=4, preprocess=prep, decode_workers=2
+    )
+    np.testing.assert_array_equal(read_output(tmp_path / "procs")["output"], got["output"])
 
 
 def test_iterable_of_batches_any_sizes_with_id_keys(cnn, tmp_path):
