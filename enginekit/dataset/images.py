@@ -90,10 +90,8 @@ class ImagePreprocess:
         from PIL import Image
 
         try:
-            with Image.open(path) as im:
-                im = im.convert(self.mode)
-                im = self._resize(im)
-                im = self._crop(im)
+            with Image.open(path) as f:
+                im = self._crop(self._resize(f.convert(self.mode)))
                 a = np.asarray(im)
         except (OSError, ValueError, SyntaxError) as exc:
             raise DatasetError(

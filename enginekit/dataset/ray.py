@@ -177,10 +177,11 @@ def map_engine(
     blob = [ray.put(path.read_bytes())] if ship == "bytes" else None
     if batch_size == "auto":
         batch_size = _auto_batch(dataset, path, columns or {}, max_memory, cast, device)
-    compute = ray.data.ActorPoolStrategy(
-        **({"size": concurrency} if isinstance(concurrency, int) else
-           {"min_size": concurrency[0], "max_size": concurrency[1]})
-    )  # fmt: skip
+    compute = (
+        ray.data.ActorPoolStrategy(size=concurrency)
+        if isinstance(concurrency, int)
+        else ray.data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
+    )
     return dataset.map_batches(
         EngineActor,
         fn_constructor_args=(
@@ -279,7 +280,7 @@ def ray_batches(
             ray.shutdown()
 
 
-def read_row_groups(batch: Mapping[str, np.ndarray], columns: list[str]) -> Any:
+def read_row_groups(batch: Any, columns: list[str] | None = None) -> Any:
     """A Ray read task: the listed Parquet row groups, each from its ``skip``-th row on."""
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -189,7 +189,11 @@ def infer_dataset(
     out = Path(output)
     previous = _prepare_output(out, resume, overwrite)
     owned = not isinstance(engine_or_artifact, Engine)
-    engine = load(engine_or_artifact, device=device) if owned else engine_or_artifact  # type: ignore[arg-type]
+    engine = (
+        engine_or_artifact
+        if isinstance(engine_or_artifact, Engine)
+        else load(engine_or_artifact, device=device)
+    )
     try:
         src = open_source(
             source, engine.inputs, columns=columns, keep=keep, preprocess=preprocess,
