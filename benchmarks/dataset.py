@@ -137,33 +137,6 @@ def ceiling(engine: ek.Engine, x: np.ndarray, batch: int) -> float:
     return len(x) / (time.perf_counter() - start)
 
 
-def ray_steady(artifact: Path, src: Path, batch: int) -> float:
-    """Rows/s of map_engine once its actors are up: from the first result batch to the last
-    (what a long job sees; the whole-job figure includes starting actors and loading engines)."""
-    import pyarrow.parquet as pq
-    import ray
-
-    from enginekit.dataset.ray import read_row_groups
-
-    parts = [
-        {"file": str(f), "group": g, "skip": 0}
-        for f in sorted(src.glob("*.parquet"))
-        for g in range(pq.ParquetFile(f).num_row_groups)
-    ]
-    ds = ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
-        read_row_groups, batch_size=1, fn_kwargs={"columns": ["id", "x"]}
-    )
-    mapped = ek.ray.map_engine(ds, artifact, batch_size=batch, batch_format="pyarrow")
-    first = None
-    rows = 0
-    for b in mapped.iter_batches(batch_size=batch, batch_format="numpy"):
-        if first is None:
-            first = time.perf_counter()
-        else:
-            rows += len(b["id"])
-    return rows / (time.perf_counter() - first)
-
-
 def timed(fn, *args, **kwargs) -> tuple[float, object]:
     start = time.perf_counter()
     result = fn(*args, **kwargs)
@@ -257,7 +230,7 @@ def main() -> None:
         a, b, c = (float(np.median(r)) for r in (pa_r, pb_r, pc_r))
         ratio_bc = float(np.median([q / w for q, w in zip(pb_r, pc_r)]))
         print(f"parquet rounds: (b)/(c) = {', '.join(f'{q / w:.2f}' for q, w in zip(pb_r, pc_r))}")
-        d = d_steady = None
+        d = None
         if not args.no_ray:
             import ray
 
@@ -287,12 +260,10 @@ def main() -> None:
                 )
 
                 d = rows / min(t, t2)
-                d_steady = ray_steady(artifact, work / "parquet", batch)
             finally:
                 ray.shutdown()
         table.append(("parquet", a, b, c, d))
-        results["ray_steady"] = d_steady
-        # Images: decoding dominates; (b) decodes in worker processes (2000 images and more).
+        # Images: decoding dominates; (b) decodes in a thread pool ahead of the engine.
         ia_r, ib_r = [], []
         for rep in range(reps):
             t, n = timed(naive_images, engine, work / "images", work / f"inaive{rep}", batch)
@@ -332,11 +303,6 @@ def main() -> None:
         f"goal (b) >= 0.9x (c) on Parquet: median of the rounds' ratios {ratio_bc:.2f}x -> "
         f"{'met' if ratio_bc >= 0.9 else 'NOT met'}"
     )
-    if d_steady:
-        print(
-            f"(d) once its actors are up (first result to last): {d_steady:,.0f} rows/s, "
-            f"{d_steady / pb:.2f}x (b)"
-        )
     if pd:
         overhead = 1 - pd / pb
         print(

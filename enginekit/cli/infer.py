@@ -49,10 +49,9 @@ def add(sub: Any) -> None:
     again.add_argument("--resume", action="store_true", help="continue an interrupted run")
     again.add_argument("--overwrite", action="store_true", help="replace an earlier run's output")
     p.add_argument("--prefetch", type=int, default=4, help="batches read ahead (default 4)")
+    p.add_argument("--decode-workers", type=int, help="image decoding threads (default up to 4)")
     p.add_argument(
-        "--decode-workers",
-        type=int,
-        help="image decoding workers (processes from 2000 images on; 0: none)",
+        "--decode-processes", action="store_true", help="decode images in worker processes"
     )
     p.add_argument("--cast", action="store_true", help="convert numeric columns to input dtypes")
     img = p.add_argument_group("image preprocessing (image folders)")
@@ -159,6 +158,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
         max_memory=args.max_memory,
         prefetch=args.prefetch,
         decode_workers=args.decode_workers,
+        decode_processes=args.decode_processes,
         cast=args.cast,
         progress=False if args.no_progress or args.json == "-" else None,
         ray=args.ray,

@@ -77,7 +77,7 @@ class Ledger:
             raise DatasetError(
                 f"cannot resume into {self.path.parent}: the source changed ({self.source_description} "
                 f"had fingerprint {_short(self.source)}, now {_short(source)}: files added, removed or "
-                f"modified) — {fix}"
+                f"modified, or another column mapping or image preprocessing) — {fix}"
             )
         for key, value in settings.items():
             if self.settings.get(key) != value:

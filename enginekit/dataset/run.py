@@ -132,6 +132,7 @@ def infer_dataset(
     max_memory: int | str | None = None,
     prefetch: int = 4,
     decode_workers: int | None = None,
+    decode_processes: bool = False,
     cast: bool = False,
     progress: bool | None = None,
     ray: str | bool | None = None,
@@ -162,7 +163,9 @@ def infer_dataset(
             automatic batch size.
         prefetch: batches read ahead of the engine (and written behind it).
         decode_workers: image decoding workers (default: up to 4; 0 decodes in the reader
-            thread): processes from 2000 images on, threads below.
+            thread).
+        decode_processes: decode images in worker processes instead of threads (for heavy
+            decoders on many cores; each process takes a second or more to start).
         cast: convert numeric columns to the input dtypes instead of refusing them.
         progress: a progress bar (default: only when stderr is a terminal).
         ray: run the engine on a Ray cluster (True: local or ``RAY_ADDRESS``; or an address)
@@ -197,12 +200,12 @@ def infer_dataset(
     try:
         src = open_source(
             source, engine.inputs, columns=columns, keep=keep, preprocess=preprocess,
-            decode_workers=decode_workers, cast=cast,
+            decode_workers=decode_workers, decode_processes=decode_processes, cast=cast,
         )  # fmt: skip
         try:
             return _run(
                 engine, engine_or_artifact, src, out, previous, batch_size, format, tensor_format,
-                shard_rows, budget, prefetch, progress, ray,
+                shard_rows, budget, prefetch, progress, ray, keep,
             )  # fmt: skip
         finally:
             src.close()
@@ -225,6 +228,7 @@ def _run(
     prefetch: int,
     progress: bool | None,
     ray: str | bool | None,
+    keep: Sequence[str] | None,
 ) -> InferSummary:
     start_time = time.perf_counter()
     model = ledger_mod.model_checksum(engine.manifest)
@@ -232,6 +236,7 @@ def _run(
         "format": fmt,
         "tensor_format": tensor_format,
         "outputs": [o.name for o in engine.outputs],
+        "keep": list(keep) if keep is not None else None,
     }
     choice: BatchChoice | None = None
     if previous is not None:

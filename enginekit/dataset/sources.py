@@ -321,15 +321,12 @@ class NumpySource(Source):
 # -- images ---------------------------------------------------------------------------------------
 
 
-#: From this many images on, decoding runs in worker processes (each takes a second or so to
-#: start, which a large folder repays); below it, in threads (Pillow releases the GIL while it
-#: decodes and resizes).
-PROCESS_MIN_IMAGES = 2000
-
-
 class ImageSource(Source):
     """A folder of image files (sorted by path), decoded with a declared preprocessing, a few
-    batches ahead of the engine: in worker processes for large folders, else in threads."""
+    batches ahead of the engine: in threads (Pillow releases the GIL while it decodes and
+    resizes), or in worker processes when asked (each takes a second or more to start, which
+    only a large job on many cores with a heavy decoder repays: measured in
+    benchmarks/dataset.py, threads won on 2 cores at 1000–2000 images)."""
 
     def __init__(
         self,
@@ -339,6 +336,7 @@ class ImageSource(Source):
         columns: Mapping[str, str] | None,
         workers: int | None,
         cast: bool,
+        processes: bool = False,
     ) -> None:
         if len(inputs) != 1:
             raise DatasetError(
@@ -354,7 +352,7 @@ class ImageSource(Source):
         self.cast = cast
         self.rows = len(self.files)
         self.workers = min(os.cpu_count() or 1, 4) if workers is None else workers
-        self.processes = self.rows >= PROCESS_MIN_IMAGES
+        self.processes = processes
         self._pool: concurrent.futures.Executor | None = None
         self.fingerprint = file_fingerprint(self.files, path, self.preprocess.to_json())
         self.description = f"images:{path}"
@@ -544,6 +542,7 @@ def open_source(
     keep: Sequence[str] | None = None,
     preprocess: ImagePreprocess | None = None,
     decode_workers: int | None = None,
+    decode_processes: bool = False,
     cast: bool = False,
 ) -> Source:
     """The Source for a path (Parquet, .npy/.npz or image file or folder) or an iterable."""
@@ -556,7 +555,9 @@ def open_source(
             return ParquetSource(path, inputs, columns, keep, cast)
         if kind == "numpy":
             return NumpySource(path, inputs, columns, cast)
-        return ImageSource(path, inputs, preprocess, columns, decode_workers, cast)
+        return ImageSource(
+            path, inputs, preprocess, columns, decode_workers, cast, decode_processes
+        )
     if isinstance(source, (Iterable, np.ndarray)):
         batches = [source] if isinstance(source, np.ndarray) else source
         if isinstance(source, Mapping):

@@ -77,3 +77,17 @@ def test_bad_settings_are_refused(ekit, tmp_path):
         ek.infer_dataset(
             ekit("cnn"), tmp_path / "x.npy", tmp_path / "o", resume=True, overwrite=True
         )
+
+
+def test_import_enginekit_loads_neither_ray_nor_pyarrow_and_ek_ray_is_lazy():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, enginekit as ek; "
+        "heavy = [m for m in ('ray', 'pyarrow', 'PIL') if m in sys.modules]; "
+        "assert not heavy, heavy; assert callable(ek.infer_dataset)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    ray = pytest.importorskip("ray")
+    assert ek.ray.map_engine.__module__ == "enginekit.dataset.ray" and ray.__name__ == "ray"

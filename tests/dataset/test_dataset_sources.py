@@ -78,7 +78,7 @@ def test_npy_npz_files_and_folders(ekit, cnn, tmp_path):
             np.testing.assert_array_equal(got[k], v)
 
 
-def test_image_folder_with_declared_preprocessing(cnn, tmp_path, monkeypatch):
+def test_image_folder_with_declared_preprocessing(cnn, tmp_path):
     from PIL import Image
 
     rng = np.random.default_rng(0)
@@ -111,12 +111,15 @@ def test_image_folder_with_declared_preprocessing(cnn, tmp_path, monkeypatch):
     np.testing.assert_allclose(
         got["output"], naive(cnn, {"x": np.stack(rows)}, 4)["output"], rtol=1e-5, atol=1e-5
     )
-    # Decoding in worker processes (what large folders get) gives the same rows.
-    from enginekit.dataset import sources
-
-    monkeypatch.setattr(sources, "PROCESS_MIN_IMAGES", 1)
+    # Decoding in worker processes gives the same rows.
     ek.infer_dataset(
-        cnn, folder, tmp_path / "procs", batch_size=4, preprocess=prep, decode_workers=2
+        cnn,
+        folder,
+        tmp_path / "procs",
+        batch_size=4,
+        preprocess=prep,
+        decode_workers=2,
+        decode_processes=True,
     )
     np.testing.assert_array_equal(read_output(tmp_path / "procs")["output"], got["output"])
 
