@@ -24,6 +24,7 @@ def blocks() -> list[tuple[str, str]]:
 @pytest.mark.slow
 def test_batch_inference_doc_examples_run(tmp_path, monkeypatch):
     pytest.importorskip("torch")
+    pytest.importorskip("pyarrow")
     found = blocks()
     assert sum(k == "python" for k, _ in found) >= 5 and any(k == "console" for k, _ in found)
     # `enginekit` on PATH runs this checkout, with the interpreter running the tests.

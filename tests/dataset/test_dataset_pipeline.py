@@ -8,6 +8,8 @@ import pytest
 from dataset_helpers import cnn_rows, naive, read_output, tensor_column, write_parquet
 
 import enginekit as ek
+
+pytest.importorskip("pyarrow", reason="the dataset jobs read and write Arrow/Parquet")
 from enginekit.dataset.autobatch import choose_batch_size, parse_memory, row_bytes
 from enginekit.errors import UsageError
 

@@ -14,6 +14,8 @@ from dataset_helpers import cnn_rows, read_output, tensor_column, write_parquet
 
 import enginekit as ek
 
+pytest.importorskip("pyarrow", reason="the dataset jobs read and write Arrow/Parquet")
+
 ray = pytest.importorskip("ray", reason="enginekit[ray] is not installed")
 pytestmark = pytest.mark.slow
 

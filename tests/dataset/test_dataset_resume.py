@@ -17,6 +17,8 @@ import pytest
 from dataset_helpers import cnn_rows, tensor_column, write_parquet
 
 import enginekit as ek
+
+pytest.importorskip("pyarrow", reason="the dataset jobs read and write Arrow/Parquet")
 from enginekit.dataset.ledger import NAME
 from enginekit.errors import DatasetError
 

@@ -7,6 +7,8 @@ import pytest
 from dataset_helpers import cnn_rows, naive, read_output, tensor_column, write_parquet
 
 import enginekit as ek
+
+pytest.importorskip("pyarrow", reason="the dataset jobs read and write Arrow/Parquet")
 from enginekit.errors import DatasetError, UsageError
 
 
