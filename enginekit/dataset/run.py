@@ -1,9 +1,9 @@
 """``infer_dataset``: rows from a source through an engine into committed shards, pipelined.
 
 Three stages overlap, joined by bounded queues: a reader thread (reading, decoding — images in
-worker processes — and cutting rows into batches that never cross a shard boundary), the engine
-on the calling thread, and a writer thread that gathers a shard's outputs, writes the shard
-atomically and commits it to the ledger. The queues bound memory; the engine only waits when
+a thread pool or worker processes — and cutting rows into batches that never cross a shard
+boundary), the engine on the calling thread, and a writer thread that gathers a shard's
+outputs, writes the shard atomically and commits it to the ledger. The queues bound memory; the engine only waits when
 reading is slower than inference.
 """
 
