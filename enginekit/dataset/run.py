@@ -31,8 +31,9 @@ from enginekit.dataset.autobatch import (
 from enginekit.dataset.batches import Batch, concat, rebatch
 from enginekit.dataset.images import ImagePreprocess
 from enginekit.dataset.progress import Progress
+from enginekit.dataset.resolve import open_source
 from enginekit.dataset.sinks import check_format, remove_outputs, shard_name, write_shard
-from enginekit.dataset.sources import IterableSource, Piece, Source, open_source
+from enginekit.dataset.sources import IterableSource, Piece, Source
 from enginekit.engine import Engine
 from enginekit.errors import DatasetError, UsageError
 

@@ -6,14 +6,11 @@ resumed job can tell whether it still reads the same data.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
 import itertools
 import json
-import os
 import zipfile
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from enginekit.dataset.columns import check_rows, closest, is_id_type, to_numpy
-from enginekit.dataset.images import IMAGE_SUFFIXES, ImagePreprocess, decode_many
 from enginekit.engine import TensorSpec
 from enginekit.errors import DatasetError, UsageError
 
@@ -69,7 +65,7 @@ def file_fingerprint(files: Sequence[Path], root: Path, extra: Any = None) -> st
     return h.hexdigest()
 
 
-def _listing(path: Path, suffixes: Sequence[str], what: str) -> list[Path]:
+def list_files(path: Path, suffixes: Sequence[str], what: str) -> list[Path]:
     if not path.exists():
         raise DatasetError(f"source {path}: no such file or folder; check the path")
     if path.is_file():
@@ -117,6 +113,10 @@ def _mapping(
     return mapping
 
 
+#: Rows per Parquet read (at least the batch size).
+READ_ROWS = 4096
+
+
 # -- Parquet ------------------------------------------------------------------------------------
 
 
@@ -134,7 +134,7 @@ class ParquetSource(Source):
         import pyarrow.parquet as pq
 
         self.root = path
-        self.files = tuple(_listing(path, (".parquet", ".parq", ".pq"), "Parquet"))
+        self.files = tuple(list_files(path, (".parquet", ".parq", ".pq"), "Parquet"))
         self.inputs = tuple(inputs)
         self.cast = cast
         self._meta = []
@@ -185,8 +185,11 @@ class ParquetSource(Source):
                 first += 1
             try:
                 pf = pq.ParquetFile(f)
+                # Read in large pieces (cut into batches later, as views): per-read costs
+                # then do not grow with the number of small batches.
                 batches = pf.iter_batches(
-                    batch_size=size, row_groups=range(first, len(groups)), columns=needed,
+                    batch_size=max(size, READ_ROWS), row_groups=range(first, len(groups)),
+                    columns=needed,
                     use_threads=True,
                 )  # fmt: skip
                 for rb in batches:
@@ -248,7 +251,7 @@ class NumpySource(Source):
         cast: bool,
     ) -> None:
         self.root = path
-        self.files = tuple(_listing(path, (".npy", ".npz"), ".npy/.npz"))
+        self.files = tuple(list_files(path, (".npy", ".npz"), ".npy/.npz"))
         kinds = {f.suffix.lower() for f in self.files}
         if len(kinds) > 1:
             raise DatasetError(
@@ -316,118 +319,6 @@ class NumpySource(Source):
                     feeds[spec.name] = check_rows(spec, rows, what, self.cast)
                 yield Piece(_row_ids(row + i, j - i), feeds, j - i)
             row += n
-
-
-# -- images ---------------------------------------------------------------------------------------
-
-
-class ImageSource(Source):
-    """A folder of image files (sorted by path), decoded with a declared preprocessing, a few
-    batches ahead of the engine: in threads (Pillow releases the GIL while it decodes and
-    resizes), or in worker processes when asked (each takes a second or more to start, which
-    only a large job on many cores with a heavy decoder repays: measured in
-    benchmarks/dataset.py, threads won on 2 cores at 1000–2000 images)."""
-
-    def __init__(
-        self,
-        path: Path,
-        inputs: Sequence[TensorSpec],
-        preprocess: ImagePreprocess | None,
-        columns: Mapping[str, str] | None,
-        workers: int | None,
-        cast: bool,
-        processes: bool = False,
-    ) -> None:
-        if len(inputs) != 1:
-            raise DatasetError(
-                f"an image folder feeds one input; this engine takes {len(inputs)} "
-                f"({', '.join(s.name for s in inputs)})"
-            )
-        if columns:
-            raise UsageError("an image folder feeds the engine's one input: no column mapping")
-        self.root = path
-        self.files = tuple(_listing(path, IMAGE_SUFFIXES, "image"))
-        self.spec = inputs[0]
-        self.preprocess = preprocess or _default_preprocess(self.spec)
-        self.cast = cast
-        self.rows = len(self.files)
-        self.workers = min(os.cpu_count() or 1, 4) if workers is None else workers
-        self.processes = processes
-        self._pool: concurrent.futures.Executor | None = None
-        self.fingerprint = file_fingerprint(self.files, path, self.preprocess.to_json())
-        self.description = f"images:{path}"
-
-    def _decode(self, paths: list[str]) -> Any:
-        if self.workers <= 0:
-            done: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
-            done.set_result(decode_many(self.preprocess, paths))
-            return done
-        if self._pool is None and self.processes:
-            import multiprocessing
-
-            # spawn: the parent runs threads (and an engine); fork would copy them mid-work.
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                self.workers, mp_context=multiprocessing.get_context("spawn")
-            )
-        elif self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.workers, thread_name_prefix="enginekit-decode"
-            )
-        return self._pool.submit(decode_many, self.preprocess, paths)
-
-    def pieces(self, start: int, size: int) -> Iterator[Piece]:
-        import pyarrow as pa
-
-        # Small tasks keep every worker busy; several in flight hide the decode time.
-        step = max(1, min(size, 32))
-        starts = iter(range(start, len(self.files), step))
-        ahead: deque[tuple[list[Path], Any]] = deque()
-
-        def submit(i: int) -> None:
-            fs = list(self.files[i : i + step])
-            ahead.append((fs, self._decode([str(f) for f in fs])))
-
-        for i in itertools.islice(starts, max(2, 2 * self.workers)):
-            submit(i)
-        while ahead:
-            fs, fut = ahead.popleft()
-            nxt = next(starts, None)
-            if nxt is not None:
-                submit(nxt)
-            rows = fut.result()
-            what = f"images {fs[0]}..{fs[-1]}"
-            rows = check_rows(self.spec, rows, what, self.cast)
-            ids = {"path": pa.array([f.relative_to(self.root).as_posix() for f in fs])}
-            yield Piece(ids, {self.spec.name: rows}, len(fs))
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
-
-def _default_preprocess(spec: TensorSpec) -> ImagePreprocess:
-    """Fit the input's fixed H and W by resizing exactly; NCHW or NHWC read off the shape."""
-    shape = spec.shape
-    if len(shape) == 4 and all(isinstance(d, int) for d in shape[1:]):
-        c1, _, c3 = shape[1], shape[2], shape[3]
-        if c1 in (1, 3, 4):
-            hw = (int(shape[2]), int(shape[3]))
-            layout = "NCHW"
-            channels = c1
-        elif c3 in (1, 3, 4):
-            hw = (int(shape[1]), int(shape[2]))
-            layout = "NHWC"
-            channels = c3
-        else:
-            channels = 0
-        if channels:
-            mode = {1: "L", 3: "RGB", 4: "RGBA"}[int(channels)]
-            return ImagePreprocess(resize=hw, layout=layout, dtype=spec.dtype, mode=mode)
-    raise UsageError(
-        f"engine input {spec}: cannot tell the image size and layout from its shape; declare "
-        "the preprocessing (preprocess=ImagePreprocess(...), or --resize/--crop/--layout)"
-    )
 
 
 # -- Python iterables -----------------------------------------------------------------------------
@@ -532,71 +423,3 @@ def slice_piece(p: Piece, lo: int, hi: int) -> Piece:
         {k: v[lo:hi] for k, v in p.inputs.items()},
         hi - lo,
     )
-
-
-def open_source(
-    source: Any,
-    inputs: Sequence[TensorSpec],
-    *,
-    columns: Mapping[str, str] | None = None,
-    keep: Sequence[str] | None = None,
-    preprocess: ImagePreprocess | None = None,
-    decode_workers: int | None = None,
-    decode_processes: bool = False,
-    cast: bool = False,
-) -> Source:
-    """The Source for a path (Parquet, .npy/.npz or image file or folder) or an iterable."""
-    if isinstance(source, Source):
-        return source
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        kind = _kind(path)
-        if kind == "parquet":
-            return ParquetSource(path, inputs, columns, keep, cast)
-        if kind == "numpy":
-            return NumpySource(path, inputs, columns, cast)
-        return ImageSource(
-            path, inputs, preprocess, columns, decode_workers, cast, decode_processes
-        )
-    if isinstance(source, (Iterable, np.ndarray)):
-        batches = [source] if isinstance(source, np.ndarray) else source
-        if isinstance(source, Mapping):
-            batches = [source]
-        return IterableSource(batches, inputs, columns, cast)
-    raise UsageError(
-        f"source: expected a path (Parquet, .npy/.npz or image file or folder) or an iterable of "
-        f"batches, got {type(source).__name__}"
-    )
-
-
-def _kind(path: Path) -> str:
-    if not path.exists():
-        raise DatasetError(f"source {path}: no such file or folder; check the path")
-    suffix = path.suffix.lower()
-    if path.is_file():
-        if suffix in (".parquet", ".parq", ".pq"):
-            return "parquet"
-        if suffix in (".npy", ".npz"):
-            return "numpy"
-        if suffix in IMAGE_SUFFIXES:
-            return "images"
-        raise DatasetError(
-            f"source {path}: cannot tell its kind from the suffix {suffix!r}; use .parquet, "
-            ".npy, .npz, an image, or a folder of them"
-        )
-    counts = {"parquet": 0, "numpy": 0, "images": 0}
-    for p in itertools.islice(path.rglob("*"), 10000):
-        s = p.suffix.lower()
-        if s in (".parquet", ".parq", ".pq"):
-            counts["parquet"] += 1
-        elif s in (".npy", ".npz"):
-            counts["numpy"] += 1
-        elif s in IMAGE_SUFFIXES:
-            counts["images"] += 1
-    kind, n = max(counts.items(), key=lambda kv: kv[1])
-    if n == 0:
-        raise DatasetError(
-            f"source folder {path} has no Parquet, .npy/.npz or image files; point at a folder "
-            "that holds some"
-        )
-    return kind
