@@ -11,15 +11,20 @@ report = ek.compare("model.onnx", backends=["onnxruntime"], shapes=...)  # repor
 result = ek.bench(engine, batch_sizes=[1, 8, 32], duration=5.0)
 with ek.Batcher(engine, max_delay_ms=2.0) as batcher:          # many small requests, full batches
     row = batcher.infer(x[0])                                    # or submit() / await infer_async()
+summary = ek.infer_dataset("m.ekit", "data.parquet", "preds/")    # resumable batch inference
+ds = ek.ray.map_engine(ray_dataset, "m.ekit")                      # the same on Ray Data
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from enginekit.backends import Availability, load
 from enginekit.batcher import Batcher
 from enginekit.build import STRATEGIES, build
 from enginekit.calibration import CalibrationTable, calibrate
 from enginekit.config import BuildConfig, Precision, ShapeProfile, parse_shapes
+from enginekit.dataset import ImagePreprocess, InferSummary, infer_dataset
 from enginekit.engine import Engine, TensorSpec
 from enginekit.errors import (
     ArtifactError,
@@ -28,6 +33,7 @@ from enginekit.errors import (
     BatcherError,
     BuildError,
     CalibrationError,
+    DatasetError,
     DeadlineExceeded,
     EngineInputError,
     EnginekitError,
@@ -59,6 +65,17 @@ def available_backends() -> list[Availability]:
     return [registry.availability(n) for n in registry.names()]
 
 
+def __getattr__(name: str) -> Any:
+    # ek.ray imports Ray (an extra, and slow to import): only when first used.
+    if name == "ray":
+        import importlib
+
+        module = importlib.import_module("enginekit.dataset.ray")
+        globals()["ray"] = module
+        return module
+    raise AttributeError(f"module 'enginekit' has no attribute {name!r}")
+
+
 __all__ = [
     "ArtifactError",
     "Availability",
@@ -73,11 +90,14 @@ __all__ = [
     "CalibrationTable",
     "Candidate",
     "CompareReport",
+    "DatasetError",
     "DeadlineExceeded",
     "Engine",
     "EngineInputError",
     "EnginekitError",
     "ExportError",
+    "ImagePreprocess",
+    "InferSummary",
     "Model",
     "ModelError",
     "Precision",
@@ -93,6 +113,7 @@ __all__ = [
     "calibrate",
     "compare",
     "export",
+    "infer_dataset",
     "lint_batch",
     "load",
     "load_model",

@@ -61,3 +61,8 @@ class DeadlineExceeded(BatcherError, TimeoutError):
 
 class BatcherClosed(BatcherError):
     """A Batcher was closed: it accepts no request, and ``close(drain=False)`` fails queued ones."""
+
+
+class DatasetError(EnginekitError):
+    """A dataset job cannot run: a source or output is unreadable, mismatched or already there,
+    or a resume would mix results of another model or source."""

@@ -49,3 +49,21 @@ def mlp_path(onnx_model) -> Path:
 
 
 __all__ = ["CASES", "reference"]
+
+
+@pytest.fixture(scope="session")
+def ekit(onnx_model, tmp_path_factory):
+    """``ekit(name)`` -> path of an ONNX Runtime artifact of that test model (built once)."""
+    import enginekit as ek
+
+    built: dict[str, Path] = {}
+    folder = tmp_path_factory.mktemp("ekits")
+
+    def get(name: str) -> Path:
+        if name not in built:
+            path = folder / f"{name}.ekit"
+            ek.build(onnx_model(name), shapes=CASES[name].shapes, output=path).close()
+            built[name] = path
+        return built[name]
+
+    return get

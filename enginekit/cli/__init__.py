@@ -1,7 +1,7 @@
-"""The ``enginekit`` command line: build, run, inspect, backends, compare, bench, validate, cache,
+"""The ``enginekit`` command line: build, run, infer, inspect, backends, compare, bench, validate, cache,
 export-triton, export, prepare, calibrate.
 
-One module per command group (``build``; ``run``; ``inspect`` and ``backends``; ``compare`` and
+One module per command group (``build``; ``run``; ``infer``; ``inspect`` and ``backends``; ``compare`` and
 ``bench`` in :mod:`~enginekit.cli.evaluate`; ``export`` and ``prepare``; ``calibrate``; the
 pipeline commands), each registering its commands with a function listed in :data:`COMMANDS`;
 what they share (exit codes, ``--json``, ``-O``, inputs, shapes) is :mod:`enginekit.cli.common`.
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from enginekit.cli import build, calibrate, evaluate, export, inspect, pipeline, run
+from enginekit.cli import build, calibrate, evaluate, export, infer, inspect, pipeline, run
 from enginekit.cli.common import EXIT_FAILURE, EXIT_USAGE, EXIT_VERIFY
 from enginekit.errors import EnginekitError, UsageError, VerificationError
 from enginekit.version import __version__
@@ -30,6 +30,7 @@ from enginekit.version import __version__
 COMMANDS: list[Callable[[Any], None]] = [
     build.add,
     run.add,
+    infer.add,
     inspect.add_inspect,
     inspect.add_backends,
     evaluate.add_compare,

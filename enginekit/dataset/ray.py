@@ -1,0 +1,300 @@
+"""Scale-out on Ray Data: ``ek.ray.map_engine(dataset, artifact)`` maps a Ray Dataset through an
+engine with ``map_batches`` and a callable class, so each actor loads the artifact once.
+
+The artifact travels through Ray's object store (an ``.ekit`` file's bytes, ``ray.put`` once) or,
+on a shared file system, as a path; either way each actor checks its SHA-256 before loading it.
+
+What Ray guarantees, and what it does not (Ray 2.60, Ray Data's actor pools): Ray Data starts its
+map actors with ``max_restarts=-1`` and ``max_task_retries=-1`` unless told otherwise, so when
+an actor process dies its in-flight batches are submitted again (to the restarted actor or
+another), and the output blocks of the failed attempt are never part of the dataset: in the
+*resulting dataset* every row appears exactly once. The engine call itself is at-least-once — a
+batch may run twice — which is harmless for a pure function such as ``Engine.infer`` but not for
+side effects inside the UDF. The driver is not fault tolerant: if it dies, the job is lost; Ray
+has no resume across driver restarts. ``infer_dataset(..., ray=...)`` (``enginekit infer
+--ray``) adds that: the driver writes Ray's results into the same ledgered shards as a local run,
+so a rerun after a crash resumes from the last committed shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from enginekit.dataset.batches import Batch, rebatch
+from enginekit.dataset.columns import check_rows
+from enginekit.dataset.sources import ParquetSource, Piece, Source
+from enginekit.errors import ArtifactError, UsageError
+
+
+def _sha256(path: Path) -> str:
+    if path.is_dir():
+        path = path / "manifest.json"
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class EngineActor:
+    """The callable class of ``map_batches``: loads the artifact once, then maps batches."""
+
+    def __init__(
+        self,
+        blob: list[Any] | None,
+        path: str,
+        sha256: str,
+        columns: Mapping[str, str],
+        keep_inputs: bool,
+        cast: bool,
+        device: str | None,
+    ) -> None:
+        from enginekit.backends import load
+
+        if blob is not None:
+            # The ObjectRef travels inside a list: Ray passes it through unresolved, and this
+            # actor fetches the bytes from the object store (once per actor).
+            data = ray.get(blob[0])
+            got = hashlib.sha256(data).hexdigest()
+            if got != sha256:
+                raise ArtifactError(
+                    f"artifact {path} reached this Ray worker with SHA-256 {got[:12]}, expected "
+                    f"{sha256[:12]}: corrupted in transit; rerun the job"
+                )
+            self._dir = tempfile.TemporaryDirectory(prefix="enginekit-ray-")
+            local = Path(self._dir.name) / Path(path).name
+            local.write_bytes(data)
+        else:
+            local = Path(path)
+            if not local.exists():
+                raise ArtifactError(
+                    f"artifact {path} is not visible on this Ray node; put it on a shared file "
+                    "system or ship it through the object store (ship='bytes', an .ekit file)"
+                )
+            got = _sha256(local)
+            if got != sha256:
+                raise ArtifactError(
+                    f"artifact {path} on this Ray node has SHA-256 {got[:12]}, the driver's "
+                    f"{sha256[:12]}: the nodes see different files; sync them or ship bytes"
+                )
+        self.engine = load(local, device=device)
+        self.columns = {s.name: columns.get(s.name, s.name) for s in self.engine.inputs}
+        self.keep_inputs = keep_inputs
+        self.cast = cast
+
+    def __call__(self, batch: Any) -> dict[str, np.ndarray]:
+        """One batch: a dict of numpy arrays (``batch_format="numpy"``) or a pyarrow Table."""
+        columns = _columns(batch)
+        feeds = {}
+        for spec in self.engine.inputs:
+            col = self.columns[spec.name]
+            if col not in columns:
+                raise UsageError(
+                    f"Ray batch has no column {col!r} for engine input {spec.name!r}; columns "
+                    f"are {', '.join(map(repr, columns))} — map it with columns={{...}}"
+                )
+            feeds[spec.name] = check_rows(spec, columns[col](), f"column {col!r}", self.cast)
+        outputs = self.engine.infer(feeds)
+        used = set(self.columns.values())
+        result = {k: get() for k, get in columns.items() if self.keep_inputs or k not in used}
+        result.update(outputs)
+        return result
+
+
+def _dense(a: np.ndarray) -> np.ndarray:
+    """Lists (nested, as Ray's numpy format gives them: arrays of arrays) as one array."""
+    if a.dtype != object or not len(a) or isinstance(a[0], str):
+        return a
+    return np.stack([_dense(np.asarray(e)) for e in a])
+
+
+def _columns(batch: Any) -> dict[str, Any]:
+    """name -> a function giving the column as numpy rows (zero-copy where Arrow allows)."""
+    from enginekit.dataset.columns import to_numpy
+
+    if isinstance(batch, Mapping):
+        return {k: (lambda v=v: _dense(np.asarray(v))) for k, v in batch.items()}
+
+    def getter(name: str) -> Any:
+        return lambda: to_numpy(batch.column(name), f"column {name!r}")
+
+    return {name: getter(name) for name in batch.column_names}
+
+
+def map_engine(
+    dataset: Any,
+    artifact: str | os.PathLike,
+    *,
+    batch_size: int | str | None = "auto",
+    batch_format: str = "numpy",
+    columns: Mapping[str, str] | None = None,
+    keep_inputs: bool = False,
+    concurrency: int | tuple[int, int] = 1,
+    num_cpus: float = 1,
+    num_gpus: float | None = None,
+    ship: str = "auto",
+    cast: bool = False,
+    device: str | None = None,
+    max_memory: int | str | None = None,
+    **map_batches_args: Any,
+) -> Any:
+    """``dataset.map_batches`` through the engine of ``artifact``; returns the Ray Dataset with
+    the output columns added (input columns dropped unless ``keep_inputs``).
+
+    Args:
+        dataset: a ``ray.data.Dataset``.
+        artifact: an ``.ekit`` file or artifact folder.
+        batch_size: rows per engine call; ``"auto"`` measures on the driver
+            (:func:`enginekit.dataset.autobatch.choose_batch_size` on the dataset's first rows).
+        batch_format: ``"numpy"`` (zero-copy for Ray's tensor columns) or ``"pyarrow"``
+            (zero-copy for fixed-size list columns, as Parquet stores tensors).
+        columns: engine input -> dataset column, where the names differ.
+        concurrency: actors in the pool (an int, or ``(min, max)`` for an autoscaling pool).
+        num_cpus, num_gpus: resources reserved per actor.
+        ship: ``"bytes"`` (through the object store; ``.ekit`` files), ``"path"`` (a shared file
+            system), or ``"auto"`` (bytes for an ``.ekit`` file, the path for a folder).
+        max_memory: the budget for ``"auto"``.
+        map_batches_args: passed on to ``map_batches`` (e.g. ``max_restarts``).
+    """
+    path = Path(artifact)
+    if not path.exists():
+        raise ArtifactError(f"artifact {path}: no such file or folder")
+    if ship == "auto":
+        ship = "path" if path.is_dir() else "bytes"
+    if ship not in ("bytes", "path"):
+        raise UsageError(f"ship {ship!r}: expected 'bytes', 'path' or 'auto'")
+    if ship == "bytes" and path.is_dir():
+        raise UsageError(f"ship='bytes' needs an .ekit file; {path} is a folder (use ship='path')")
+    sha = _sha256(path)
+    blob = [ray.put(path.read_bytes())] if ship == "bytes" else None
+    if batch_size == "auto":
+        batch_size = _auto_batch(dataset, path, columns or {}, max_memory, cast, device)
+    compute = (
+        ray.data.ActorPoolStrategy(size=concurrency)
+        if isinstance(concurrency, int)
+        else ray.data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
+    )
+    return dataset.map_batches(
+        EngineActor,
+        fn_constructor_args=(
+            blob,
+            str(path.resolve()),
+            sha,
+            dict(columns or {}),
+            keep_inputs,
+            cast,
+            device,
+        ),
+        batch_size=batch_size,
+        batch_format=batch_format,
+        zero_copy_batch=True,
+        compute=compute,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        **map_batches_args,
+    )
+
+
+def _auto_batch(
+    dataset: Any,
+    path: Path,
+    columns: Mapping[str, str],
+    max_memory: Any,
+    cast: bool,
+    device: str | None,
+) -> int:
+    from enginekit.backends import load
+    from enginekit.dataset.autobatch import choose_batch_size, parse_memory
+
+    with load(path, device=device) as engine:
+        batch = dataset.take_batch(64, batch_format="numpy")
+        sample = {}
+        for spec in engine.inputs:
+            a = _dense(np.asarray(batch[columns.get(spec.name, spec.name)]))
+            sample[spec.name] = check_rows(spec, np.ascontiguousarray(a), spec.name, cast)
+        return choose_batch_size(engine, sample, parse_memory(max_memory)).batch_size
+
+
+def ray_batches(
+    artifact: Any, src: Source, start: int, size: int, shard_rows: int, address: str | bool
+) -> Iterator[Any]:
+    """For ``infer_dataset(ray=...)``: the source's rows from ``start`` through Ray, in order, as
+    (batch, outputs) pairs cut at the shard boundaries the local writer expects."""
+    if not isinstance(src, ParquetSource):
+        raise UsageError(
+            f"--ray reads Parquet sources (Ray reads them in parallel); {src.description} is not "
+            "one — run it locally, or convert it to Parquet"
+        )
+    if not isinstance(artifact, (str, os.PathLike)):
+        raise UsageError("--ray ships an artifact to the workers: pass its path, not an Engine")
+    started = False
+    if not ray.is_initialized():
+        if isinstance(address, str):
+            ray.init(address=address)
+        else:
+            ray.init(include_dashboard=False)
+        started = True
+    try:
+        ctx = ray.data.DataContext.get_current()
+        ctx.execution_options.preserve_order = True
+        # One read task per row group from ``start`` on (the rows of the first one before
+        # ``start`` are sliced off there), so a resumed run reads nothing it does not need.
+        # (This also steps around ray.data.read_parquet's threaded file listing, which races
+        # importing fsspec's HTTP filesystem when aiohttp is not installed.)
+        parts, row = [], 0
+        for f, groups in zip(src.files, src._meta):
+            for g, n in enumerate(groups):
+                if row + n > start:
+                    parts.append({"file": str(f), "group": g, "skip": max(start - row, 0)})
+                row += n
+        needed = list(dict.fromkeys([*src.mapping.values(), *src.keep]))
+        ds = ray.data.from_items(parts, override_num_blocks=max(1, len(parts))).map_batches(
+            read_row_groups, batch_size=1, batch_format="numpy", fn_kwargs={"columns": needed}
+        )
+        mapped = map_engine(
+            ds, artifact, batch_size=size, batch_format="pyarrow", columns=src.mapping
+        )
+        names = src.keep or []
+
+        def pieces() -> Iterator[Piece]:
+            at = start
+            for b in mapped.iter_batches(batch_size=size, batch_format="numpy"):
+                n = len(next(iter(b.values())))
+                outs = {k: v for k, v in b.items() if k not in names}
+                yield Piece(_ids(b, names, at, n), outs, n)
+                at += n
+
+        for batch in rebatch(pieces(), size, shard_rows, start):
+            assert isinstance(batch, Batch)
+            yield batch, batch.piece.inputs
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def read_row_groups(batch: Any, columns: list[str] | None = None) -> Any:
+    """A Ray read task: the listed Parquet row groups, each from its ``skip``-th row on."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = [
+        pq.ParquetFile(str(f)).read_row_group(int(g), columns=columns).slice(int(skip))
+        for f, g, skip in zip(batch["file"], batch["group"], batch["skip"])
+    ]
+    return pa.concat_tables(tables)
+
+
+def _ids(batch: Mapping[str, np.ndarray], names: list[str], at: int, n: int) -> dict[str, Any]:
+    import pyarrow as pa
+
+    if not names:
+        return {"row": pa.array(np.arange(at, at + n, dtype=np.int64))}
+    return {k: pa.array(batch[k]) for k in names}

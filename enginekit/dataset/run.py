@@ -1,0 +1,502 @@
+"""``infer_dataset``: rows from a source through an engine into committed shards, pipelined.
+
+Three stages overlap, joined by bounded queues: a reader thread (reading, decoding — images in
+a thread pool or worker processes — and cutting rows into batches that never cross a shard
+boundary), the engine on the calling thread, and a writer thread that gathers a shard's
+outputs, writes the shard atomically and commits it to the ledger. The queues bound memory; the engine only waits when
+reading is slower than inference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from enginekit.dataset import ledger as ledger_mod
+from enginekit.dataset.autobatch import (
+    BatchChoice,
+    choose_batch_size,
+    is_out_of_memory,
+    parse_memory,
+)
+from enginekit.dataset.batches import Batch, concat, rebatch
+from enginekit.dataset.images import ImagePreprocess
+from enginekit.dataset.progress import Progress
+from enginekit.dataset.resolve import open_source
+from enginekit.dataset.sinks import check_format, remove_outputs, shard_name, write_shard
+from enginekit.dataset.sources import IterableSource, Piece, Source
+from enginekit.engine import Engine
+from enginekit.errors import DatasetError, UsageError
+
+#: Rows per shard when not given: a crash loses at most this much work.
+DEFAULT_SHARD_ROWS = 16384
+_END = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class InferSummary:
+    """What a dataset job did (``to_json`` for ``--json``)."""
+
+    output: str
+    format: str
+    source: str
+    rows: int  # rows in the output (committed)
+    rows_inferred: int  # rows run through the engine by this call
+    rows_skipped: int  # rows found committed by an earlier run and not redone
+    shards: int
+    shards_written: int
+    shards_skipped: int
+    batch_size: int
+    batch_choice: BatchChoice | None
+    oom_retries: int
+    seconds: float
+    rows_per_s: float
+    resumed: bool
+    ray: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["batch_choice"] = self.batch_choice.to_json() if self.batch_choice else None
+        return out
+
+
+def sample_rows(source: Source, rows: int) -> dict[str, np.ndarray]:
+    """Up to ``rows`` rows from the source's start (an iterable source replays them later)."""
+    if isinstance(source, IterableSource):
+        pieces = source.peek(rows)
+    else:
+        pieces = []
+        got = 0
+        for p in source.pieces(0, rows):
+            pieces.append(p)
+            got += p.rows
+            if got >= rows:
+                break
+    if not pieces:
+        return {}
+    p = concat(pieces) if len(pieces) > 1 else pieces[0]
+    return {k: np.ascontiguousarray(v[:rows]) for k, v in p.inputs.items()}
+
+
+def _prepare_output(output: Path, resume: bool, overwrite: bool) -> ledger_mod.Ledger | None:
+    if resume and overwrite:
+        raise UsageError("resume and overwrite cannot be used together: pick one")
+    if output.exists() and not output.is_dir():
+        raise DatasetError(f"output {output} is a file; the output is a folder of shards")
+    if not output.exists() or not any(output.iterdir()):
+        return None
+    if overwrite:
+        remove_outputs(output, ledger_mod.NAME)
+        return None
+    found = ledger_mod.Ledger.read(output)
+    if not resume:
+        what = "a previous run's shards" if found else "files"
+        raise DatasetError(
+            f"output {output} already holds {what}; pass resume=True (--resume) to continue "
+            "that run, overwrite=True (--overwrite) to start again, or pick a new output folder"
+        )
+    if found is None:
+        raise DatasetError(
+            f"output {output} has files but no ledger ({ledger_mod.NAME}): nothing to resume; "
+            "pass --overwrite if it is yours to replace, or pick a new output folder"
+        )
+    # Temporaries of writes a crash interrupted: never committed, never read.
+    for p in output.iterdir():
+        if p.name.startswith((".part-", f".{ledger_mod.NAME}.tmp-")):
+            p.unlink()
+    return found
+
+
+def infer_dataset(
+    engine_or_artifact: Engine | str | os.PathLike,
+    source: Any,
+    output: str | os.PathLike,
+    batch_size: int | str = "auto",
+    *,
+    columns: Mapping[str, str] | None = None,
+    keep: Sequence[str] | None = None,
+    preprocess: ImagePreprocess | None = None,
+    format: str = "parquet",
+    tensor_format: str = "list",
+    shard_rows: int | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    max_memory: int | str | None = None,
+    prefetch: int = 4,
+    decode_workers: int | None = None,
+    decode_processes: bool = False,
+    cast: bool = False,
+    progress: bool | None = None,
+    ray: str | bool | None = None,
+    device: str | None = None,
+) -> InferSummary:
+    """Run every row of ``source`` through an engine and write the outputs as shards to ``output``.
+
+    Args:
+        engine_or_artifact: an Engine, or an artifact path (loaded here, and closed afterwards).
+        source: a Parquet file or folder, a ``.npy``/``.npz`` file or folder, a folder of images,
+            or an iterable of batches (dicts name -> rows, arrays, or sequences in input order).
+        output: a folder: ``part-NNNNN.parquet`` (or ``.npz``) shards and a ledger.
+        batch_size: rows per engine call, or ``"auto"`` to measure and choose (see
+            :func:`enginekit.dataset.autobatch.choose_batch_size`).
+        columns: engine input -> source column (or ``.npz`` key), where the names differ.
+        keep: source columns carried into the output (default: every scalar or string column
+            that is not an input; sources without ids get a ``row`` column).
+        preprocess: how image files become rows (default: resize to the input's H and W).
+        format: ``"parquet"`` or ``"npz"``.
+        tensor_format: outputs with a shape per row as ``"list"`` (fixed-size lists) or
+            ``"tensor"`` (Arrow's fixed-shape tensor extension type); Parquet only.
+        shard_rows: rows per shard (default 16384, rounded up to a whole number of batches):
+            the unit of commit, and what a crash can lose.
+        resume: continue an interrupted run into ``output`` (committed shards are skipped; the
+            model, source and settings must be the same, else DatasetError says which changed).
+        overwrite: replace what an earlier run wrote in ``output``.
+        max_memory: memory budget for the batches in flight (``"4GiB"``, bytes); bounds the
+            automatic batch size.
+        prefetch: batches read ahead of the engine (and written behind it).
+        decode_workers: image decoding workers (default: up to 4; 0 decodes in the reader
+            thread).
+        decode_processes: decode images in worker processes instead of threads (for heavy
+            decoders on many cores; each process takes a second or more to start).
+        cast: convert numeric columns to the input dtypes instead of refusing them.
+        progress: a progress bar (default: only when stderr is a terminal).
+        ray: run the engine on a Ray cluster (True: local or ``RAY_ADDRESS``; or an address)
+            through :func:`enginekit.dataset.ray.map_engine`; Parquet sources only.
+        device: load the artifact on this device instead of its own.
+
+    Returns:
+        an :class:`InferSummary`.
+
+    Raises:
+        DatasetError: an unreadable source, a column or dtype or shape that does not fit, an
+            output that exists without resume/overwrite, a resume with another model or source.
+    """
+    from enginekit.backends import load
+
+    check_format(format, tensor_format)
+    if not (isinstance(prefetch, int) and prefetch >= 1):
+        raise UsageError(f"prefetch must be an integer >= 1, got {prefetch!r}")
+    if not (batch_size == "auto" or (isinstance(batch_size, int) and batch_size >= 1)):
+        raise UsageError(f"batch_size must be an integer >= 1 or 'auto', got {batch_size!r}")
+    if shard_rows is not None and not (isinstance(shard_rows, int) and shard_rows >= 1):
+        raise UsageError(f"shard_rows must be an integer >= 1, got {shard_rows!r}")
+    budget = parse_memory(max_memory)
+    out = Path(output)
+    previous = _prepare_output(out, resume, overwrite)
+    owned = not isinstance(engine_or_artifact, Engine)
+    engine = (
+        engine_or_artifact
+        if isinstance(engine_or_artifact, Engine)
+        else load(engine_or_artifact, device=device)
+    )
+    try:
+        src = open_source(
+            source, engine.inputs, columns=columns, keep=keep, preprocess=preprocess,
+            decode_workers=decode_workers, decode_processes=decode_processes, cast=cast,
+        )  # fmt: skip
+        try:
+            return _run(
+                engine, engine_or_artifact, src, out, previous, batch_size, format, tensor_format,
+                shard_rows, budget, prefetch, progress, ray, keep,
+            )  # fmt: skip
+        finally:
+            src.close()
+    finally:
+        if owned:
+            engine.close()
+
+
+def _run(
+    engine: Engine,
+    given: Any,
+    src: Source,
+    out: Path,
+    previous: ledger_mod.Ledger | None,
+    batch_size: int | str,
+    fmt: str,
+    tensor_format: str,
+    shard_rows: int | None,
+    budget: int | None,
+    prefetch: int,
+    progress: bool | None,
+    ray: str | bool | None,
+    keep: Sequence[str] | None,
+) -> InferSummary:
+    start_time = time.perf_counter()
+    model = ledger_mod.model_checksum(engine.manifest)
+    settings = {
+        "format": fmt,
+        "tensor_format": tensor_format,
+        "outputs": [o.name for o in engine.outputs],
+        "keep": list(keep) if keep is not None else None,
+    }
+    choice: BatchChoice | None = None
+    if previous is not None:
+        previous.check(model, src.fingerprint, settings)
+        size, rows_per_shard = previous.batch_size, previous.shard_rows
+        if batch_size != "auto" and batch_size != size:
+            raise DatasetError(
+                f"cannot resume into {out} with batch size {batch_size}: the run used "
+                f"{size} (outputs must not depend on where a crash fell) — drop the batch size "
+                "to reuse it"
+            )
+        led = previous
+    else:
+        if batch_size == "auto":
+            sample = sample_rows(src, 64)
+            choice = choose_batch_size(engine, sample, budget) if sample else None
+            size = choice.batch_size if choice else 1
+        else:
+            size = int(batch_size)
+        rows_per_shard = shard_rows or max(size, math.ceil(DEFAULT_SHARD_ROWS / size) * size)
+        out.mkdir(parents=True, exist_ok=True)
+        led = ledger_mod.Ledger(
+            out / ledger_mod.NAME, model, src.fingerprint, src.description, size,
+            rows_per_shard, settings,
+        )  # fmt: skip
+        led.save()
+    skipped_shards = len(led.shards)
+    start = led.committed_rows()
+    if start % rows_per_shard and not led.complete:
+        led.finish()  # only the source's last shard is short: everything was committed
+    if led.complete:
+        return _summary(
+            out, fmt, src, led, 0, start, skipped_shards, size, choice, 0, start_time, previous, ray
+        )
+    total = src.rows
+    bar = Progress(total, start, progress)
+    state = _State()
+    try:
+        if ray:
+            from enginekit.dataset.ray import ray_batches
+
+            results = ray_batches(given, src, start, size, rows_per_shard, ray)
+            inferred = _write_all(results, led, out, fmt, tensor_format, bar, state, prefetch)
+        else:
+            inferred = _pipeline(
+                engine,
+                src,
+                led,
+                out,
+                fmt,
+                tensor_format,
+                size,
+                rows_per_shard,
+                start,
+                prefetch,
+                bar,
+                state,
+            )
+    finally:
+        bar.close()
+    led.finish()
+    return _summary(
+        out,
+        fmt,
+        src,
+        led,
+        inferred,
+        start,
+        skipped_shards,
+        size,
+        choice,
+        state.oom,
+        start_time,
+        previous,
+        ray,
+    )
+
+
+def _summary(
+    out: Path, fmt: str, src: Source, led: ledger_mod.Ledger, inferred: int, skipped: int,
+    skipped_shards: int, size: int, choice: BatchChoice | None, oom: int, start_time: float,
+    previous: Any, ray: Any,
+) -> InferSummary:  # fmt: skip
+    seconds = time.perf_counter() - start_time
+    return InferSummary(
+        output=str(out),
+        format=fmt,
+        source=src.description,
+        rows=led.committed_rows(),
+        rows_inferred=inferred,
+        rows_skipped=skipped,
+        shards=len(led.shards),
+        shards_written=len(led.shards) - skipped_shards,
+        shards_skipped=skipped_shards,
+        batch_size=size,
+        batch_choice=choice,
+        oom_retries=oom,
+        seconds=seconds,
+        rows_per_s=inferred / seconds if seconds > 0 else 0.0,
+        resumed=previous is not None,
+        ray=None if not ray else (ray if isinstance(ray, str) else "local"),
+    )
+
+
+@dataclasses.dataclass
+class _State:
+    oom: int = 0
+    error: BaseException | None = None
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+def _put(q: queue.Queue, item: Any, state: _State) -> bool:
+    """Put unless the job is stopping; False when it is."""
+    while not state.stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _get(q: queue.Queue, state: _State) -> Any:
+    while True:
+        try:
+            return q.get(timeout=0.1)
+        except queue.Empty:
+            if state.stop.is_set():
+                return _END
+
+
+def _infer(engine: Engine, inputs: dict[str, np.ndarray], state: _State) -> dict[str, np.ndarray]:
+    """Run one batch; on an out-of-memory error, run it as two halves (recorded)."""
+    try:
+        return engine.infer(inputs)
+    except Exception as exc:
+        n = next(iter(inputs.values())).shape[0]
+        if not is_out_of_memory(exc) or n < 2:
+            raise
+        state.oom += 1
+        half = n // 2
+        a = _infer(engine, {k: v[:half] for k, v in inputs.items()}, state)
+        b = _infer(engine, {k: v[half:] for k, v in inputs.items()}, state)
+        return {k: np.concatenate([a[k], b[k]]) for k in a}
+
+
+def _pipeline(
+    engine: Engine, src: Source, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
+    size: int, shard_rows: int, start: int, prefetch: int, bar: Progress, state: _State,
+) -> int:  # fmt: skip
+    inbox: queue.Queue = queue.Queue(prefetch)
+    outbox: queue.Queue = queue.Queue(prefetch)
+
+    def read() -> None:
+        try:
+            for batch in rebatch(src.pieces(start, size), size, shard_rows, start):
+                if not _put(inbox, batch, state):
+                    return
+        except BaseException as exc:
+            state.error = state.error or exc
+            state.stop.set()
+        _put(inbox, _END, state)
+
+    def write() -> None:
+        try:
+            _write_loop(outbox, led, out, fmt, tensor_format, bar, state)
+        except BaseException as exc:
+            state.error = state.error or exc
+            state.stop.set()
+
+    reader = threading.Thread(target=read, name="enginekit-read", daemon=True)
+    writer = threading.Thread(target=write, name="enginekit-write", daemon=True)
+    reader.start()
+    writer.start()
+    rows = 0
+    try:
+        while True:
+            batch = _get(inbox, state)
+            if batch is _END:
+                break
+            outputs = _infer(engine, batch.piece.inputs, state)
+            rows += batch.piece.rows
+            if not _put(outbox, (batch, outputs), state):
+                break
+    except BaseException as exc:
+        state.error = state.error or exc
+        state.stop.set()
+    _put(outbox, _END, state)
+    writer.join()
+    state.stop.set()
+    reader.join()
+    if state.error is not None:
+        raise state.error
+    return rows
+
+
+def _write_all(
+    results: Iterator[tuple[Batch, dict[str, np.ndarray]]], led: ledger_mod.Ledger, out: Path,
+    fmt: str, tensor_format: str, bar: Progress, state: _State, prefetch: int,
+) -> int:  # fmt: skip
+    """The writer for results computed elsewhere (Ray): same shards, same ledger."""
+    outbox: queue.Queue = queue.Queue(prefetch)
+    rows = 0
+
+    def write() -> None:
+        try:
+            _write_loop(outbox, led, out, fmt, tensor_format, bar, state)
+        except BaseException as exc:
+            state.error = state.error or exc
+            state.stop.set()
+
+    writer = threading.Thread(target=write, name="enginekit-write", daemon=True)
+    writer.start()
+    try:
+        for item in results:
+            rows += item[0].piece.rows
+            if not _put(outbox, item, state):
+                break
+    except BaseException as exc:
+        state.error = state.error or exc
+        state.stop.set()
+    _put(outbox, _END, state)
+    writer.join()
+    if state.error is not None:
+        raise state.error
+    return rows
+
+
+def _write_loop(
+    outbox: queue.Queue, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
+    bar: Progress, state: _State,
+) -> None:  # fmt: skip
+    parts: list[tuple[Piece, dict[str, np.ndarray]]] = []
+    shard = len(led.shards)
+    while True:
+        item = _get(outbox, state)
+        if item is _END:
+            break
+        batch, outputs = item
+        if batch.shard != shard:
+            raise DatasetError(f"internal: batch of shard {batch.shard} while writing {shard}")
+        parts.append((batch.piece, outputs))
+        bar.advance(batch.piece.rows)
+        if batch.last:
+            _commit(parts, shard, led, out, fmt, tensor_format)
+            parts, shard = [], shard + 1
+    if parts and not state.stop.is_set():
+        _commit(parts, shard, led, out, fmt, tensor_format)
+
+
+def _commit(
+    parts: list[tuple[Piece, dict[str, np.ndarray]]], shard: int, led: ledger_mod.Ledger,
+    out: Path, fmt: str, tensor_format: str,
+) -> None:  # fmt: skip
+    piece = concat([p for p, _ in parts]) if len(parts) > 1 else parts[0][0]
+    outputs = {
+        k: np.concatenate([o[k] for _, o in parts]) if len(parts) > 1 else parts[0][1][k]
+        for k in parts[0][1]
+    }
+    name = shard_name(shard, fmt)
+    write_shard(out / name, piece.ids, outputs, fmt, tensor_format)
+    led.commit(shard, name, piece.rows)

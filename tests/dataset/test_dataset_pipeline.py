@@ -1,0 +1,95 @@
+"""The pipelined run agrees with a naive loop row for row; the automatic batch size stays within
+the engine's profiles and the memory budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from dataset_helpers import cnn_rows, naive, read_output, tensor_column, write_parquet
+
+import enginekit as ek
+
+pytest.importorskip("pyarrow", reason="the dataset jobs read and write Arrow/Parquet")
+from enginekit.dataset.autobatch import choose_batch_size, parse_memory, row_bytes
+from enginekit.errors import UsageError
+
+
+def test_pipelined_run_equals_naive_loop_row_for_row_on_two_inputs(ekit, tmp_path):
+    rng = np.random.default_rng(3)
+    n = 203  # not a multiple of the batch or the shard
+    a = rng.standard_normal((n, 8)).astype(np.float32)
+    b = rng.standard_normal((n, 4)).astype(np.float32)
+    for i, (lo, hi) in enumerate([(0, 60), (60, 61), (61, 203)]):
+        write_parquet(
+            tmp_path / "src" / f"p{i}.parquet",
+            {"id": np.arange(lo, hi), "a": tensor_column(a[lo:hi]), "b": tensor_column(b[lo:hi])},
+            row_group_size=17,
+        )
+    with ek.load(ekit("two_input")) as engine:
+        s = ek.infer_dataset(
+            engine, tmp_path / "src", tmp_path / "out", batch_size=8, shard_rows=40, prefetch=2
+        )
+        ref = naive(engine, {"a": a, "b": b}, 8)
+    assert (s.rows, s.shards, s.rows_inferred) == (n, 6, n)
+    got = read_output(tmp_path / "out")
+    assert got["id"].tolist() == list(range(n))
+    for k, v in ref.items():
+        np.testing.assert_array_equal(got[k], v)
+
+
+def test_auto_batch_size_is_measured_within_the_profile(ekit, tmp_path):
+    np.save(tmp_path / "x.npy", cnn_rows(40))
+    with ek.load(ekit("cnn")) as engine:
+        s = ek.infer_dataset(engine, tmp_path / "x.npy", tmp_path / "out")
+    choice = s.batch_choice
+    assert choice is not None and s.batch_size == choice.batch_size
+    tried = [t.batch for t in choice.trials]
+    assert tried == sorted(tried) and set(tried) <= {1, 2, 4, 8} and 8 in tried
+    assert 1 <= s.batch_size <= 8  # the built profile's range
+    best = max(t.rows_per_s for t in choice.trials)
+    assert next(t.rows_per_s for t in choice.trials if t.batch == s.batch_size) >= 0.95 * best
+    assert s.to_json()["batch_choice"]["trials"][0]["batch"] == 1
+
+
+def test_memory_budget_caps_the_batch_search(ekit):
+    with ek.load(ekit("cnn")) as engine:
+        sample = {"x": cnn_rows(8)}
+        per_row = row_bytes(sample, engine.infer(sample))
+        choice = choose_batch_size(engine, sample, max_memory=8 * per_row * 2, seconds=0.05)
+    assert choice.memory_cap == 2
+    assert [t.batch for t in choice.trials] == [1, 2] and choice.batch_size <= 2
+    assert "memory budget" in choice.reason
+
+
+def test_memory_sizes_parse_and_bad_ones_are_refused():
+    assert parse_memory("4GiB") == 4 * 2**30
+    assert parse_memory("512MB") == 512_000_000
+    assert parse_memory(1000) == 1000 and parse_memory(None) is None
+    with pytest.raises(UsageError, match="4GiB"):
+        parse_memory("lots")
+
+
+def test_bad_settings_are_refused(ekit, tmp_path):
+    np.save(tmp_path / "x.npy", cnn_rows(4))
+    with pytest.raises(UsageError, match="batch_size"):
+        ek.infer_dataset(ekit("cnn"), tmp_path / "x.npy", tmp_path / "o", batch_size=0)
+    with pytest.raises(UsageError, match="output format"):
+        ek.infer_dataset(ekit("cnn"), tmp_path / "x.npy", tmp_path / "o", format="csv")
+    with pytest.raises(UsageError, match="resume and overwrite"):
+        ek.infer_dataset(
+            ekit("cnn"), tmp_path / "x.npy", tmp_path / "o", resume=True, overwrite=True
+        )
+
+
+def test_import_enginekit_loads_neither_ray_nor_pyarrow_and_ek_ray_is_lazy():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, enginekit as ek; "
+        "heavy = [m for m in ('ray', 'pyarrow', 'PIL') if m in sys.modules]; "
+        "assert not heavy, heavy; assert callable(ek.infer_dataset)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    ray = pytest.importorskip("ray")
+    assert ek.ray.map_engine.__module__ == "enginekit.dataset.ray" and ray.__name__ == "ray"
