@@ -148,6 +148,13 @@ def _device(device: str) -> Any:
         raise BackendUnavailable(f"jax has no {device!r} device here") from None
 
 
+def _put(arrays: Any, device: Any) -> tuple[Any, ...]:
+    """Arrays on ``device`` with their own dtypes (int64 position tables stay int64)."""
+    jax = _jax()
+    with jax.enable_x64(True):
+        return tuple(jax.device_put(a, device) for a in arrays)
+
+
 def _platform(device: str) -> str:
     return "cuda" if device.startswith("cuda") else "cpu"
 
@@ -174,13 +181,16 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     if not has_convs:
         layouts = [layouts[0]]
     dims = program.symbolic_dims(model.inputs, config.profiles)
+    bounds = program.symbol_bounds(model.inputs, config.profiles, dims)
     device = _device(config.device)
     platform = _platform(config.device)
     candidates: dict[str, tuple[Any, Any, Any]] = {}
     for layout in layouts:
         lowered = lower.lower(proto, layout)
-        exported = program.export(lowered.fn, lowered.weights, model.inputs, dims, platform)
-        on_device = tuple(jax.device_put(w, device) for w in lowered.weights)
+        exported = program.export(
+            lowered.fn, lowered.weights, model.inputs, dims, platform, bounds
+        )
+        on_device = _put(lowered.weights, device)
         candidates[layout] = (lowered, exported, on_device)
     flag_sets = _flag_sets(opts.xla_flags, platform)
     trials = _tune(model, config, candidates, flag_sets, device, opts)
@@ -207,6 +217,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         if buckets == opts.buckets
         else "batch rows interact: padding would change results",
         "symbolic_dims": dims,
+        "symbolic_constraints": list(program.constraints(bounds)),
         "platform": platform,
         "jax_version": jax.__version__,
         "weight_names": list(lowered.weight_names),
@@ -377,9 +388,7 @@ def _load(artifact: Artifact, device: str) -> XlaEngine:
         )
     exported = program.deserialize(artifact.read(PROGRAM))
     target = _device(device)
-    weights = [
-        jax.device_put(w, target) for w in _load_weights(artifact, list(meta["weight_names"]))
-    ]
+    weights = list(_put(_load_weights(artifact, list(meta["weight_names"])), target))
     if options.cache_dir:
         _use_cache_dir(options.cache_dir)
     engine = XlaEngine(

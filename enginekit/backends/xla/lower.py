@@ -25,7 +25,14 @@ import onnx
 from onnx import numpy_helper
 
 from enginekit.backends.xla import layout as lay
-from enginekit.backends.xla.check import LEGACY_BINARY, attributes, check, node_label, opset_of
+from enginekit.backends.xla.check import (
+    LEGACY_BINARY,
+    attributes,
+    check,
+    node_label,
+    opset_of,
+    subgraphs,
+)
 from enginekit.errors import BuildError
 
 log = logging.getLogger(__name__)
@@ -77,19 +84,36 @@ def prepare(proto: onnx.ModelProto) -> onnx.ModelProto:
     return proto
 
 
-def topological(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+def outer_names(graph: onnx.GraphProto) -> set[str]:
+    """Names a (sub)graph reads from the scope around it."""
+    own = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    own |= {o for n in graph.node for o in n.output}
+    return {name for n in graph.node for name in uses(n)} - own
+
+
+def uses(node: onnx.NodeProto) -> list[str]:
+    """Every tensor a node reads: its inputs, and what its subgraphs take from outside."""
+    implicit = sorted({name for g in subgraphs(node) for name in outer_names(g)})
+    return [*node.input, *implicit]
+
+
+def topological(graph: onnx.GraphProto, outer: frozenset[str] = frozenset()) -> list[onnx.NodeProto]:
     """Nodes in an order where every input is produced before use.
+
+    Args:
+        outer: names a subgraph may read from the scope around it.
 
     Raises:
         BuildError: a cycle, or an input nothing produces.
     """
-    known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""} | outer
     pending = list(graph.node)
+    needs = {id(n): uses(n) for n in pending}
     ordered: list[onnx.NodeProto] = []
     while pending:
-        ready = [n for n in pending if all(i in known for i in n.input)]
+        ready = [n for n in pending if all(i in known for i in needs[id(n)])]
         if not ready:
-            missing = sorted({i for n in pending for i in n.input if i not in known})
+            missing = sorted({i for n in pending for i in needs[id(n)] if i not in known})
             raise BuildError(
                 f"the graph cannot be ordered: tensor(s) {', '.join(missing[:5])} are used but "
                 "never produced (a cycle, or a subgraph-only value)"
@@ -129,6 +153,8 @@ def _fold(nodes: list[onnx.NodeProto], consts: dict[str, np.ndarray], opset: int
     for node in nodes:
         present = [i for i in node.input if i]
         if not all(i in consts for i in present) or node.op_type in lay.ANCHORS | lay.FOLLOWERS:
+            continue
+        if subgraphs(node):  # If: chosen while tracing, where its branch can be lowered
             continue
         fn = resolve(node.op_type, opset)
         if fn is None:
@@ -211,7 +237,7 @@ class Env:
         value, have = self.values[name]
         if have == lay.NHWC:
             return value
-        if np.ndim(value) == 0 or int(np.prod(np.shape(value))) == 1:
+        if _single(np.shape(value)):
             return value
         key = (name, f"aligned{rank}")
         if key not in self._converted:
@@ -222,6 +248,12 @@ class Env:
                 self.conversions += 1
             self._converted[key] = converted
         return self._converted[key]
+
+
+def _single(shape: Sequence[Any]) -> bool:
+    """Whether a tensor of ``shape`` holds one element; symbolic dims (``batch``) never count
+    as 1, and their products are never compared (that raises InconclusiveDimensionOperation)."""
+    return all(isinstance(d, (int, np.integer)) and d == 1 for d in shape)
 
 
 def _jnp() -> Any:
@@ -327,7 +359,10 @@ def _run_node(env: Env, node: onnx.NodeProto, index: int, opset: int, nhwc: bool
         if node.op_type in _MIXING and not all(a is None or is_static(a) for a in args):
             # Symbolic dims meeting traced data as operands: make them traced values too.
             args = [to_jax(a) if a is not None else None for a in args]
-        results = _call(fn, args, call.attrs)
+        attrs = call.attrs
+        if subgraphs(node):
+            attrs = {**attrs, "run": lambda graph: _run_graph(env, graph, opset, nhwc)}
+        results = _call(fn, args, attrs)
     except BuildError as exc:
         raise BuildError(f"node {label}: {exc}") from None
     except Exception as exc:
@@ -339,6 +374,15 @@ def _run_node(env: Env, node: onnx.NodeProto, index: int, opset: int, nhwc: bool
     for name, value in zip(node.output, results):
         if name:
             env.put(name, value, call.out_tag)
+
+
+def _run_graph(env: Env, graph: onnx.GraphProto, opset: int, nhwc: bool) -> list[Any]:
+    """Lower a subgraph (an If branch) in ``env``; its outputs, in ONNX layout."""
+    for t in graph.initializer:
+        env.put(t.name, numpy_helper.to_array(t), lay.ONNX)
+    for index, node in enumerate(topological(graph, frozenset(env.values))):
+        _run_node(env, node, index, opset, nhwc)
+    return [env.get(o.name, lay.ONNX) for o in graph.output]
 
 
 def lower(
@@ -366,7 +410,7 @@ def lower(
     nhwc = layout == "nhwc"
     inputs = tuple(i.name for i in graph.input if i.name not in consts)
     outputs = tuple(o.name for o in graph.output)
-    used = {i for n in live for i in n.input if i in consts} | {o for o in outputs if o in consts}
+    used = {i for n in live for i in uses(n) if i in consts} | {o for o in outputs if o in consts}
     weight_names = tuple(sorted(n for n in used if consts[n].size > inline_limit))
     statics = {n: consts[n] for n in used if n not in weight_names}
     tags = tuple(_weight_tag(name, live, outputs, nhwc) for name in weight_names)
@@ -412,6 +456,8 @@ def _weight_tag(name: str, live: list[onnx.NodeProto], outputs: tuple[str, ...],
     """The layout every consumer of weight ``name`` wants, or ONNX when they disagree."""
     wanted = {lay.ONNX} if name in outputs else set()
     for node in live:
+        if name in uses(node)[len(node.input) :]:
+            wanted.add(lay.ONNX)  # read inside a branch
         for i, n in enumerate(node.input):
             if n != name:
                 continue

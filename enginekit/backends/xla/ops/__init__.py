@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from enginekit.backends.xla.ops import elementwise as ew
-from enginekit.backends.xla.ops import nn, pool, quant, reduce, tensor
+from enginekit.backends.xla.ops import control, index, nn, pool, quant, reduce, resize, tensor
 
 OpFunction = Callable[..., Any]
 Entry = OpFunction | dict[int, OpFunction]
@@ -102,6 +102,12 @@ OPS: dict[str, Entry] = {
     "Slice": tensor.Slice,
     "Gather": tensor.Gather,
     "GatherElements": tensor.GatherElements,
+    "GatherND": index.GatherND,
+    "ScatterND": index.ScatterND,
+    "ScatterElements": index.ScatterElements,
+    "Scatter": index.Scatter,
+    "Resize": {10: resize.Resize_10, 11: resize.Resize},
+    "Upsample": {7: resize.Upsample_7, 9: resize.Upsample},
     "Expand": tensor.Expand,
     "Tile": tensor.Tile,
     "Pad": tensor.Pad,
@@ -112,6 +118,8 @@ OPS: dict[str, Entry] = {
     "DepthToSpace": tensor.DepthToSpace,
     "SpaceToDepth": tensor.SpaceToDepth,
     "EyeLike": tensor.EyeLike,
+    # control flow
+    "If": control.If,
     # neural network
     "Conv": nn.Conv,
     "ConvTranspose": nn.ConvTranspose,
@@ -184,5 +192,8 @@ STATIC_INPUTS: dict[str, tuple[int, ...]] = {
     "Trilu": (1,),
     "CumSum": (1,),
     "Dropout": (1, 2),
+    "Resize": (1, 2, 3),
+    "Upsample": (1,),
+    "If": (0,),
     **{op: (1,) for op in OPS if op.startswith("Reduce")},
 }
