@@ -286,6 +286,8 @@ def _tune(
 
 
 def _batched(model: Model) -> bool:
+    if not model.inputs:
+        return False
     return all(s.shape and isinstance(s.shape[0], str) for s in model.inputs) and all(
         s.shape and s.shape[0] == model.inputs[0].shape[0] for s in model.outputs
     )
