@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 NAME = "xla"
 PROGRAM = "model.stablehlo"
 WEIGHTS = "weights.safetensors"
-PRECISIONS = ("fp32",)
+#: bf16/fp16: weights and activations in that type, statistics and softmax in float32
+#: (``lower.WIDE_OPS``); inputs and outputs stay float32. Verification gates them.
+PRECISIONS = ("fp32", "bf16", "fp16")
 #: Layout used when the ``layout`` option is not given (measured: benchmarks/xla.py).
 DEFAULT_LAYOUT = "nhwc"
 
@@ -169,10 +171,11 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
 
     jax = _jax()
     opts = _parse_options(config.options)
-    if config.precision.value != "fp32":
+    precision = config.precision.value
+    if precision not in PRECISIONS:
         raise BuildError(
-            f"the XLA backend builds fp32 engines; precision={config.precision.value} is not "
-            "supported (use --backend onnxruntime or tensorrt for fp16/int8)"
+            f"the XLA backend builds {', '.join(PRECISIONS)} engines; precision={precision} is "
+            "not supported (use --backend onnxruntime or tensorrt for int8)"
         )
     proto = lower.prepare(model.proto)
     check.check(proto)
@@ -186,7 +189,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     platform = _platform(config.device)
     candidates: dict[str, tuple[Any, Any, Any]] = {}
     for layout in layouts:
-        lowered = lower.lower(proto, layout)
+        lowered = lower.lower(proto, layout, precision=precision)
         exported = program.export(
             lowered.fn, lowered.weights, model.inputs, dims, platform, bounds
         )
@@ -223,6 +226,11 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "weight_names": list(lowered.weight_names),
         "weight_layouts": list(lowered.weight_layouts),
         "lowering": dict(lowered.stats),
+        "precision": {
+            "weights_and_activations": precision,
+            "float32_ops": sorted(lower.WIDE_OPS) if precision != "fp32" else [],
+            "io": "float32 inputs and outputs are cast at the program's edges",
+        },
         "opset": check.opset_of(proto),
         "load_options": {"cache_dir": opts.cache_dir, "precompile": opts.precompile},
     }
@@ -327,8 +335,11 @@ def _winner(trials: list[dict[str, Any]]) -> tuple[str, str]:
 def _save_weights(path: Path, names: tuple[str, ...], weights: tuple[np.ndarray, ...]) -> None:
     from safetensors.numpy import save_file
 
+    # safetensors' numpy API has no bfloat16: such weights are stored as float32 (exactly) and
+    # cast back on load to the type the program takes them in.
+    wide = [w.astype(np.float32) if w.dtype.name == "bfloat16" else w for w in weights]
     try:
-        save_file({n: np.ascontiguousarray(w) for n, w in zip(names, weights)}, str(path))
+        save_file({n: np.ascontiguousarray(w) for n, w in zip(names, wide)}, str(path))
     except Exception as exc:
         raise BuildError(f"cannot write the weights as safetensors: {exc}") from None
 
@@ -390,7 +401,9 @@ def _load(artifact: Artifact, device: str) -> XlaEngine:
         )
     exported = program.deserialize(artifact.read(PROGRAM))
     target = _device(device)
-    weights = list(_put(_load_weights(artifact, list(meta["weight_names"])), target))
+    stored = _load_weights(artifact, list(meta["weight_names"]))
+    takes = [a.dtype for a in exported.in_avals[: len(stored)]]
+    weights = list(_put([w.astype(t) if w.dtype != t else w for w, t in zip(stored, takes)], target))
     if options.cache_dir:
         _use_cache_dir(options.cache_dir)
     engine = XlaEngine(

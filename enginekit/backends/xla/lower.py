@@ -45,6 +45,31 @@ FOLD_LIMIT = 1 << 16
 _LEGACY_BROADCAST = LEGACY_BINARY | {"PRelu"}
 #: Ops whose operands are all data: symbolic-dim values among traced ones become traced.
 _MIXING = lay.ELEMENTWISE | {"Concat"}
+#: Reduced precisions: the float type weights and activations are held in.
+LOW_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
+#: Ops that compute in float32 at reduced precision (their inputs are cast up, their results
+#: back down): statistics, exponentials and sums over many elements lose the most in 8 bits of
+#: mantissa, and XLA fuses the casts into them.
+WIDE_OPS = frozenset(
+    {
+        "LayerNormalization",
+        "BatchNormalization",
+        "InstanceNormalization",
+        "GroupNormalization",
+        "LpNormalization",
+        "Softmax",
+        "LogSoftmax",
+        "CumSum",
+        "ReduceMean",
+        "ReduceSum",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceSumSquare",
+        "ReduceLogSum",
+        "ReduceLogSumExp",
+        "ReduceProd",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +368,45 @@ def _legacy_broadcast(args: list[Any], node: onnx.NodeProto) -> list[Any]:
     return [a, m.reshape(b, tuple(np.shape(b)) + (1,) * trailing), *args[2:]]
 
 
-def _run_node(env: Env, node: onnx.NodeProto, index: int, opset: int, nhwc: bool) -> None:
+def _narrow(value: Any, low: Any) -> Any:
+    """A traced float32 value in the reduced type ``low`` (static values stay as they are)."""
+    if low is None or isinstance(value, (np.ndarray, np.generic)):
+        return value
+    if getattr(value, "dtype", None) != np.float32:
+        return value
+    return value.astype(low)
+
+
+def _widen(value: Any, low: Any) -> Any:
+    if low is None or value is None or getattr(value, "dtype", None) != low:
+        return value
+    return value.astype(np.float32)
+
+
+def _at_precision(op: str, args: list[Any], low: Any) -> list[Any]:
+    """WIDE_OPS: float inputs up to float32. Others, beside a reduced-precision traced
+    operand: float32 constants down to it (conv and dot want one type; elementwise ops would
+    otherwise promote to float32). Inputs that decide shapes (Resize's scales) stay exact."""
+    from enginekit.backends.xla.ops import STATIC_INPUTS
+
+    if op in WIDE_OPS:
+        return [_widen(a, low) for a in args]
+    if not any(getattr(a, "dtype", None) == low and not _static(a) for a in args):
+        return args
+    keep = STATIC_INPUTS.get(op, ())
+    return [
+        a.astype(low) if _static(a) and a.dtype == np.float32 and i not in keep else a
+        for i, a in enumerate(args)
+    ]
+
+
+def _static(value: Any) -> bool:
+    return isinstance(value, (np.ndarray, np.generic))
+
+
+def _run_node(
+    env: Env, node: onnx.NodeProto, index: int, opset: int, nhwc: bool, low: Any = None
+) -> None:
     from enginekit.backends.xla.ops import resolve
     from enginekit.backends.xla.ops.common import is_static, to_jax
 
@@ -356,12 +419,14 @@ def _run_node(env: Env, node: onnx.NodeProto, index: int, opset: int, nhwc: bool
         args = call.args
         if opset < 7 and node.op_type in LEGACY_BINARY:
             args = _legacy_broadcast(args, node)
+        if low is not None:
+            args = _at_precision(node.op_type, args, low)
         if node.op_type in _MIXING and not all(a is None or is_static(a) for a in args):
             # Symbolic dims meeting traced data as operands: make them traced values too.
             args = [to_jax(a) if a is not None else None for a in args]
         attrs = call.attrs
         if subgraphs(node):
-            attrs = {**attrs, "run": lambda graph: _run_graph(env, graph, opset, nhwc)}
+            attrs = {**attrs, "run": lambda graph: _run_graph(env, graph, opset, nhwc, low)}
         results = _call(fn, args, attrs)
     except BuildError as exc:
         raise BuildError(f"node {label}: {exc}") from None
@@ -373,20 +438,25 @@ def _run_node(env: Env, node: onnx.NodeProto, index: int, opset: int, nhwc: bool
         raise BuildError(f"node {label}: output(s) {missing} are not supported by the XLA backend")
     for name, value in zip(node.output, results):
         if name:
-            env.put(name, value, call.out_tag)
+            env.put(name, _narrow(value, low), call.out_tag)
 
 
-def _run_graph(env: Env, graph: onnx.GraphProto, opset: int, nhwc: bool) -> list[Any]:
+def _run_graph(
+    env: Env, graph: onnx.GraphProto, opset: int, nhwc: bool, low: Any = None
+) -> list[Any]:
     """Lower a subgraph (an If branch) in ``env``; its outputs, in ONNX layout."""
     for t in graph.initializer:
         env.put(t.name, numpy_helper.to_array(t), lay.ONNX)
     for index, node in enumerate(topological(graph, frozenset(env.values))):
-        _run_node(env, node, index, opset, nhwc)
+        _run_node(env, node, index, opset, nhwc, low)
     return [env.get(o.name, lay.ONNX) for o in graph.output]
 
 
 def lower(
-    proto: onnx.ModelProto, layout: str = "nhwc", inline_limit: int = INLINE_LIMIT
+    proto: onnx.ModelProto,
+    layout: str = "nhwc",
+    inline_limit: int = INLINE_LIMIT,
+    precision: str = "fp32",
 ) -> Lowered:
     """Lower a checked model to a pure function of (weights, inputs).
 
@@ -396,9 +466,15 @@ def lower(
             ``"nchw"`` runs convolutions in ONNX's own layout.
         inline_limit: constants up to this many elements are baked into the program;
             larger ones become weights.
+        precision: ``fp32``, or ``bf16``/``fp16``: float32 weights are stored in that type,
+            float32 inputs cast to it on entry and outputs back to float32 on exit, every
+            float32 result in between held in it; ``WIDE_OPS`` compute in float32.
     """
     if layout not in ("nhwc", "nchw"):
         raise BuildError(f"layout {layout!r}: expected 'nhwc' or 'nchw'")
+    if precision != "fp32" and precision not in LOW_PRECISION:
+        raise BuildError(f"precision {precision!r}: expected fp32, {', '.join(LOW_PRECISION)}")
+    low = _low_dtype(precision)
     proto = prepare(proto)
     check(proto)
     graph = proto.graph
@@ -415,8 +491,10 @@ def lower(
     statics = {n: consts[n] for n in used if n not in weight_names}
     tags = tuple(_weight_tag(name, live, outputs, nhwc) for name in weight_names)
     weights = tuple(
-        np.ascontiguousarray(lay.to_layout(consts[n], t)) for n, t in zip(weight_names, tags)
+        np.ascontiguousarray(_narrow_weight(lay.to_layout(consts[n], t), low))
+        for n, t in zip(weight_names, tags)
     )
+    out_types = [o.type.tensor_type.elem_type for o in graph.output]
     stats: dict[str, Any] = {
         "nodes": len(nodes),
         "folded_nodes": len(folded),
@@ -436,14 +514,31 @@ def lower(
         for name, value, tag in zip(weight_names, weight_args, tags):
             env.put(name, value, tag)
         for name, value in zip(inputs, input_args):
-            env.put(name, value, lay.ONNX)
+            env.put(name, _narrow(value, low), lay.ONNX)
         for index, node in order:
-            _run_node(env, node, index, opset, nhwc)
-        results = tuple(jnp.asarray(_concrete(env.get(name, lay.ONNX))) for name in outputs)
+            _run_node(env, node, index, opset, nhwc, low)
+        results = tuple(
+            _widen(jnp.asarray(_concrete(env.get(name, lay.ONNX))), low)
+            if kind == onnx.TensorProto.FLOAT
+            else jnp.asarray(_concrete(env.get(name, lay.ONNX)))
+            for name, kind in zip(outputs, out_types)
+        )
         stats["layout_conversions"] = env.conversions
         return results
 
     return Lowered(fn, weights, weight_names, tags, inputs, outputs, layout, stats)
+
+
+def _low_dtype(precision: str) -> Any:
+    if precision not in LOW_PRECISION:
+        return None
+    import jax.numpy as jnp
+
+    return np.dtype(getattr(jnp, LOW_PRECISION[precision]))
+
+
+def _narrow_weight(weight: np.ndarray, low: Any) -> np.ndarray:
+    return weight.astype(low) if low is not None and weight.dtype == np.float32 else weight
 
 
 def _concrete(value: Any) -> Any:
