@@ -369,12 +369,17 @@ def _legacy_broadcast(args: list[Any], node: onnx.NodeProto) -> list[Any]:
 
 
 def _narrow(value: Any, low: Any) -> Any:
-    """A traced float32 value in the reduced type ``low`` (static values stay as they are)."""
+    """A traced float32 value in the reduced type ``low``, saturating: finite values past the
+    type's range become its largest value, not infinity. (Exporters write float32's lowest
+    as "masked out"; as -inf a fully masked softmax row turns NaN instead of uniform.)"""
     if low is None or isinstance(value, (np.ndarray, np.generic)):
         return value
     if getattr(value, "dtype", None) != np.float32:
         return value
-    return value.astype(low)
+    import jax.numpy as jnp
+
+    top = float(jnp.finfo(low).max)
+    return jnp.where(jnp.isinf(value), value, jnp.clip(value, -top, top)).astype(low)
 
 
 def _widen(value: Any, low: Any) -> Any:
@@ -395,7 +400,7 @@ def _at_precision(op: str, args: list[Any], low: Any) -> list[Any]:
         return args
     keep = STATIC_INPUTS.get(op, ())
     return [
-        a.astype(low) if _static(a) and a.dtype == np.float32 and i not in keep else a
+        _narrow_weight(a, low) if _static(a) and a.dtype == np.float32 and i not in keep else a
         for i, a in enumerate(args)
     ]
 
@@ -538,7 +543,12 @@ def _low_dtype(precision: str) -> Any:
 
 
 def _narrow_weight(weight: np.ndarray, low: Any) -> np.ndarray:
-    return weight.astype(low) if low is not None and weight.dtype == np.float32 else weight
+    if low is None or weight.dtype != np.float32:
+        return weight
+    import jax.numpy as jnp
+
+    top = float(jnp.finfo(low).max)
+    return np.where(np.isinf(weight), weight, np.clip(weight, -top, top)).astype(low)
 
 
 def _concrete(value: Any) -> Any:
