@@ -1,7 +1,8 @@
 """The ops real models need, each against its ONNX node test cases, through the whole path.
 
-Every single-op case of ONNX's node test suite for GatherND, ScatterND, ScatterElements,
-Scatter, Einsum, CumSum, Trilu, Resize, Upsample, Range and If goes through ``ek.build`` (backend
+Every single-op case of ONNX's node test suite for the ops in ``OPS`` (GatherND, ScatterND,
+ScatterElements, Scatter, Einsum, CumSum, Trilu, Resize, Upsample, Range, If, and the smaller
+ops of ``ops/extra.py``) goes through ``ek.build`` (backend
 ``xla``, artifact written) and ``ek.load``, and the loaded engine's outputs must match the
 case's expected outputs at the case's own tolerance. (``test_xla_ops.py`` checks the whole op
 table faster, by lowering many cases into one program; this checks the artifact round trip.)
@@ -35,6 +36,19 @@ OPS = (
     "Upsample",
     "Range",
     "If",
+    "Shrink",
+    "Swish",
+    "BitShift",
+    "BitwiseAnd",
+    "BitwiseOr",
+    "BitwiseXor",
+    "BitwiseNot",
+    "CumProd",
+    "MeanVarianceNormalization",
+    "GroupNormalization",
+    "RMSNormalization",
+    "OneHot",
+    "ReverseSequence",
 )
 #: Cases of those ops that need what the backend does not offer: name -> reason.
 EXCLUDED = {

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from enginekit.backends.xla.ops import elementwise as ew
-from enginekit.backends.xla.ops import control, index, nn, pool, quant, reduce, resize, tensor
+from enginekit.backends.xla.ops import control, extra, index, nn, pool, quant, reduce, resize, tensor
 
 OpFunction = Callable[..., Any]
 Entry = OpFunction | dict[int, OpFunction]
@@ -155,6 +155,20 @@ OPS: dict[str, Entry] = {
     "ArgMin": reduce.ArgMin,
     "CumSum": reduce.CumSum,
     "TopK": reduce.TopK,
+    # smaller ops of newer opsets and the test data
+    "Shrink": extra.Shrink,
+    "Swish": extra.Swish,
+    "BitShift": extra.BitShift,
+    "BitwiseAnd": extra.BitwiseAnd,
+    "BitwiseOr": extra.BitwiseOr,
+    "BitwiseXor": extra.BitwiseXor,
+    "BitwiseNot": extra.BitwiseNot,
+    "CumProd": extra.CumProd,
+    "MeanVarianceNormalization": extra.MeanVarianceNormalization,
+    "GroupNormalization": extra.GroupNormalization,
+    "RMSNormalization": extra.RMSNormalization,
+    "OneHot": extra.OneHot,
+    "ReverseSequence": extra.ReverseSequence,
     # quantization
     "QuantizeLinear": quant.QuantizeLinear,
     "DequantizeLinear": quant.DequantizeLinear,
@@ -193,6 +207,8 @@ STATIC_INPUTS: dict[str, tuple[int, ...]] = {
     "CumSum": (1,),
     "Dropout": (1, 2),
     "Resize": (1, 2, 3),
+    "CumProd": (1,),
+    "OneHot": (1,),
     "Upsample": (1,),
     "If": (0,),
     **{op: (1,) for op in OPS if op.startswith("Reduce")},
