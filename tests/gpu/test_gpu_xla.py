@@ -16,7 +16,7 @@ from models import CASES
 from enginekit import backends
 
 sys.path.insert(0, str(Path(__file__).parent))
-import xla_gpu  # noqa: E402
+import xla_gpu
 
 HAS_GPU = "cuda" in backends.availability("xla").devices
 pytestmark = [

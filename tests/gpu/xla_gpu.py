@@ -86,7 +86,12 @@ def check(
     atol, rtol = DEFAULT_TOLERANCE[Precision(precision)]
     artifact = workdir / f"{name}-{precision}.ekit"
     ek.build(
-        path, backend="xla", shapes=dict(shapes), device=device, precision=precision, output=artifact
+        path,
+        backend="xla",
+        shapes=dict(shapes),
+        device=device,
+        precision=precision,
+        output=artifact,
     )
     worst: dict[str, float] = {}
     with ek.load(artifact, device=device) as engine:
@@ -104,7 +109,9 @@ def check(
     return Report(name, device, precision, batches, worst)
 
 
-def resnet18(directory: Path, size: int = 64) -> tuple[Path, dict[str, Any], Callable[[int], Feeds]]:
+def resnet18(
+    directory: Path, size: int = 64
+) -> tuple[Path, dict[str, Any], Callable[[int], Feeds]]:
     """torchvision ResNet-18 (random weights), dynamic batch up to 8."""
     import torch
 
@@ -117,7 +124,9 @@ def resnet18(directory: Path, size: int = 64) -> tuple[Path, dict[str, Any], Cal
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None).eval()
-    path = ek.export(model, (torch.randn(1, 3, size, size),), directory / "resnet18.onnx", dynamic_batch=True)
+    path = ek.export(
+        model, (torch.randn(1, 3, size, size),), directory / "resnet18.onnx", dynamic_batch=True
+    )
     name = ek.load_model(path).inputs[0].name
     image = (3, size, size)
 
@@ -151,14 +160,21 @@ def bert(directory: Path, seq: int = 16) -> tuple[Path, dict[str, Any], Callable
     ids = torch.randint(0, 100, (2, seq))
     dims = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
     path = ek.export(
-        Bert(), (ids, torch.ones_like(ids)), directory / "bert.onnx", dynamic_batch=True, dynamic_dims=dims
+        Bert(),
+        (ids, torch.ones_like(ids)),
+        directory / "bert.onnx",
+        dynamic_batch=True,
+        dynamic_dims=dims,
     )
 
     def feeds(batch: int) -> Feeds:
         rng = np.random.default_rng(batch)
         mask = np.ones((batch, seq), np.int64)
         mask[:, seq - 3 :] = 0  # right padding, as a tokenizer writes it
-        return {"input_ids": rng.integers(0, 100, (batch, seq)).astype(np.int64), "attention_mask": mask}
+        return {
+            "input_ids": rng.integers(0, 100, (batch, seq)).astype(np.int64),
+            "attention_mask": mask,
+        }
 
     shapes = {n: [(1, 1), (4, seq), (8, 2 * seq)] for n in ("input_ids", "attention_mask")}
     return path, shapes, feeds

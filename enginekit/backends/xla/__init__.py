@@ -168,6 +168,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     """Lower, export with symbolic dims, measure layouts and XLA options, write the payload."""
     from enginekit.backends.xla import check, lower, program
     from enginekit.backends.xla import layout as lay
+    from enginekit.backends.xla import precision as reduced
 
     jax = _jax()
     opts = _parse_options(config.options)
@@ -190,9 +191,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     candidates: dict[str, tuple[Any, Any, Any]] = {}
     for layout in layouts:
         lowered = lower.lower(proto, layout, precision=precision)
-        exported = program.export(
-            lowered.fn, lowered.weights, model.inputs, dims, platform, bounds
-        )
+        exported = program.export(lowered.fn, lowered.weights, model.inputs, dims, platform, bounds)
         on_device = _put(lowered.weights, device)
         candidates[layout] = (lowered, exported, on_device)
     flag_sets = _flag_sets(opts.xla_flags, platform)
@@ -228,7 +227,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "lowering": dict(lowered.stats),
         "precision": {
             "weights_and_activations": precision,
-            "float32_ops": sorted(lower.WIDE_OPS) if precision != "fp32" else [],
+            "float32_ops": sorted(reduced.WIDE_OPS) if precision != "fp32" else [],
             "io": "float32 inputs and outputs are cast at the program's edges",
         },
         "opset": check.opset_of(proto),
@@ -388,7 +387,7 @@ def _load(artifact: Artifact, device: str) -> XlaEngine:
     from enginekit.backends.xla import program
     from enginekit.backends.xla.runtime import XlaEngine
 
-    jax = _jax()
+    _jax()  # BackendUnavailable, with what to install, before reading anything
     manifest = artifact.manifest
     meta = manifest.get("backend", {}).get("metadata", {})
     if "weight_names" not in meta or "compiler_options" not in meta:
@@ -403,7 +402,9 @@ def _load(artifact: Artifact, device: str) -> XlaEngine:
     target = _device(device)
     stored = _load_weights(artifact, list(meta["weight_names"]))
     takes = [a.dtype for a in exported.in_avals[: len(stored)]]
-    weights = list(_put([w.astype(t) if w.dtype != t else w for w, t in zip(stored, takes)], target))
+    weights = list(
+        _put([w.astype(t) if w.dtype != t else w for w, t in zip(stored, takes)], target)
+    )
     if options.cache_dir:
         _use_cache_dir(options.cache_dir)
     engine = XlaEngine(

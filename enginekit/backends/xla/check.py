@@ -91,7 +91,6 @@ def _type_problem(value: onnx.ValueInfoProto) -> str | None:
 
 def problems(proto: onnx.ModelProto) -> list[str]:
     """Why the lowering cannot take each node it cannot take (empty: it takes them all)."""
-    from enginekit.backends.xla.ops import resolve
 
     opset = opset_of(proto)
     found = [
@@ -124,7 +123,10 @@ def _node_problems(nodes: list[onnx.NodeProto], opset: int) -> list[str]:
             found.append(f"node {label}: subgraph attributes are not supported")
             continue
         for graph in branches:
-            found.extend(f"{label} branch {graph.name!r}: {p}" for p in _node_problems(list(graph.node), opset))
+            found.extend(
+                f"{label} branch {graph.name!r}: {p}"
+                for p in _node_problems(list(graph.node), opset)
+            )
         accepted = _accepted_attrs(fn)
         legacy = {"broadcast", "axis"} if opset < 7 and node.op_type in LEGACY_BINARY else set()
         unknown = sorted(

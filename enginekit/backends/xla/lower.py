@@ -25,6 +25,7 @@ import onnx
 from onnx import numpy_helper
 
 from enginekit.backends.xla import layout as lay
+from enginekit.backends.xla import precision as reduced
 from enginekit.backends.xla.check import (
     LEGACY_BINARY,
     attributes,
@@ -45,31 +46,6 @@ FOLD_LIMIT = 1 << 16
 _LEGACY_BROADCAST = LEGACY_BINARY | {"PRelu"}
 #: Ops whose operands are all data: symbolic-dim values among traced ones become traced.
 _MIXING = lay.ELEMENTWISE | {"Concat"}
-#: Reduced precisions: the float type weights and activations are held in.
-LOW_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
-#: Ops that compute in float32 at reduced precision (their inputs are cast up, their results
-#: back down): statistics, exponentials and sums over many elements lose the most in 8 bits of
-#: mantissa, and XLA fuses the casts into them.
-WIDE_OPS = frozenset(
-    {
-        "LayerNormalization",
-        "BatchNormalization",
-        "InstanceNormalization",
-        "GroupNormalization",
-        "LpNormalization",
-        "Softmax",
-        "LogSoftmax",
-        "CumSum",
-        "ReduceMean",
-        "ReduceSum",
-        "ReduceL1",
-        "ReduceL2",
-        "ReduceSumSquare",
-        "ReduceLogSum",
-        "ReduceLogSumExp",
-        "ReduceProd",
-    }
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +98,9 @@ def uses(node: onnx.NodeProto) -> list[str]:
     return [*node.input, *implicit]
 
 
-def topological(graph: onnx.GraphProto, outer: frozenset[str] = frozenset()) -> list[onnx.NodeProto]:
+def topological(
+    graph: onnx.GraphProto, outer: frozenset[str] = frozenset()
+) -> list[onnx.NodeProto]:
     """Nodes in an order where every input is produced before use.
 
     Args:
@@ -368,47 +346,6 @@ def _legacy_broadcast(args: list[Any], node: onnx.NodeProto) -> list[Any]:
     return [a, m.reshape(b, tuple(np.shape(b)) + (1,) * trailing), *args[2:]]
 
 
-def _narrow(value: Any, low: Any) -> Any:
-    """A traced float32 value in the reduced type ``low``, saturating: finite values past the
-    type's range become its largest value, not infinity. (Exporters write float32's lowest
-    as "masked out"; as -inf a fully masked softmax row turns NaN instead of uniform.)"""
-    if low is None or isinstance(value, (np.ndarray, np.generic)):
-        return value
-    if getattr(value, "dtype", None) != np.float32:
-        return value
-    import jax.numpy as jnp
-
-    top = float(jnp.finfo(low).max)
-    return jnp.where(jnp.isinf(value), value, jnp.clip(value, -top, top)).astype(low)
-
-
-def _widen(value: Any, low: Any) -> Any:
-    if low is None or value is None or getattr(value, "dtype", None) != low:
-        return value
-    return value.astype(np.float32)
-
-
-def _at_precision(op: str, args: list[Any], low: Any) -> list[Any]:
-    """WIDE_OPS: float inputs up to float32. Others, beside a reduced-precision traced
-    operand: float32 constants down to it (conv and dot want one type; elementwise ops would
-    otherwise promote to float32). Inputs that decide shapes (Resize's scales) stay exact."""
-    from enginekit.backends.xla.ops import STATIC_INPUTS
-
-    if op in WIDE_OPS:
-        return [_widen(a, low) for a in args]
-    if not any(getattr(a, "dtype", None) == low and not _static(a) for a in args):
-        return args
-    keep = STATIC_INPUTS.get(op, ())
-    return [
-        _narrow_weight(a, low) if _static(a) and a.dtype == np.float32 and i not in keep else a
-        for i, a in enumerate(args)
-    ]
-
-
-def _static(value: Any) -> bool:
-    return isinstance(value, (np.ndarray, np.generic))
-
-
 def _run_node(
     env: Env, node: onnx.NodeProto, index: int, opset: int, nhwc: bool, low: Any = None
 ) -> None:
@@ -425,7 +362,7 @@ def _run_node(
         if opset < 7 and node.op_type in LEGACY_BINARY:
             args = _legacy_broadcast(args, node)
         if low is not None:
-            args = _at_precision(node.op_type, args, low)
+            args = reduced.at_precision(node.op_type, args, low)
         if node.op_type in _MIXING and not all(a is None or is_static(a) for a in args):
             # Symbolic dims meeting traced data as operands: make them traced values too.
             args = [to_jax(a) if a is not None else None for a in args]
@@ -443,7 +380,7 @@ def _run_node(
         raise BuildError(f"node {label}: output(s) {missing} are not supported by the XLA backend")
     for name, value in zip(node.output, results):
         if name:
-            env.put(name, _narrow(value, low), call.out_tag)
+            env.put(name, reduced.narrow(value, low), call.out_tag)
 
 
 def _run_graph(
@@ -473,13 +410,15 @@ def lower(
             larger ones become weights.
         precision: ``fp32``, or ``bf16``/``fp16``: float32 weights are stored in that type,
             float32 inputs cast to it on entry and outputs back to float32 on exit, every
-            float32 result in between held in it; ``WIDE_OPS`` compute in float32.
+            float32 result in between held in it; ``precision.WIDE_OPS`` compute in float32.
     """
     if layout not in ("nhwc", "nchw"):
         raise BuildError(f"layout {layout!r}: expected 'nhwc' or 'nchw'")
-    if precision != "fp32" and precision not in LOW_PRECISION:
-        raise BuildError(f"precision {precision!r}: expected fp32, {', '.join(LOW_PRECISION)}")
-    low = _low_dtype(precision)
+    if precision != "fp32" and precision not in reduced.LOW_PRECISION:
+        raise BuildError(
+            f"precision {precision!r}: expected fp32, {', '.join(reduced.LOW_PRECISION)}"
+        )
+    low = reduced.low_dtype(precision)
     proto = prepare(proto)
     check(proto)
     graph = proto.graph
@@ -496,7 +435,7 @@ def lower(
     statics = {n: consts[n] for n in used if n not in weight_names}
     tags = tuple(_weight_tag(name, live, outputs, nhwc) for name in weight_names)
     weights = tuple(
-        np.ascontiguousarray(_narrow_weight(lay.to_layout(consts[n], t), low))
+        np.ascontiguousarray(reduced.narrow_weight(lay.to_layout(consts[n], t), low))
         for n, t in zip(weight_names, tags)
     )
     out_types = [o.type.tensor_type.elem_type for o in graph.output]
@@ -519,11 +458,11 @@ def lower(
         for name, value, tag in zip(weight_names, weight_args, tags):
             env.put(name, value, tag)
         for name, value in zip(inputs, input_args):
-            env.put(name, _narrow(value, low), lay.ONNX)
+            env.put(name, reduced.narrow(value, low), lay.ONNX)
         for index, node in order:
             _run_node(env, node, index, opset, nhwc, low)
         results = tuple(
-            _widen(jnp.asarray(_concrete(env.get(name, lay.ONNX))), low)
+            reduced.widen(jnp.asarray(_concrete(env.get(name, lay.ONNX))), low)
             if kind == onnx.TensorProto.FLOAT
             else jnp.asarray(_concrete(env.get(name, lay.ONNX)))
             for name, kind in zip(outputs, out_types)
@@ -532,23 +471,6 @@ def lower(
         return results
 
     return Lowered(fn, weights, weight_names, tags, inputs, outputs, layout, stats)
-
-
-def _low_dtype(precision: str) -> Any:
-    if precision not in LOW_PRECISION:
-        return None
-    import jax.numpy as jnp
-
-    return np.dtype(getattr(jnp, LOW_PRECISION[precision]))
-
-
-def _narrow_weight(weight: np.ndarray, low: Any) -> np.ndarray:
-    if low is None or weight.dtype != np.float32:
-        return weight
-    import jax.numpy as jnp
-
-    top = float(jnp.finfo(low).max)
-    return np.where(np.isinf(weight), weight, np.clip(weight, -top, top)).astype(low)
 
 
 def _concrete(value: Any) -> Any:

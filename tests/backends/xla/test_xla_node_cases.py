@@ -87,7 +87,9 @@ def test_node_case_builds_loads_and_matches(name, tmp_path):
     model, runtime = _bake(case.model, list(inputs))
     path = tmp_path / "model.onnx"
     onnx.save(model, str(path))
-    ek.build(path, backend="xla", output=tmp_path / "engine/", verify=False, xla_flags="xla-default")
+    ek.build(
+        path, backend="xla", output=tmp_path / "engine/", verify=False, xla_flags="xla-default"
+    )
     with ek.load(tmp_path / "engine") as engine:
         got = engine.infer(runtime)
     for spec, want in zip(engine.outputs, outputs):

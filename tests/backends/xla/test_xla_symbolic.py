@@ -13,13 +13,13 @@ import pytest
 
 pytest.importorskip("jax", reason="the XLA backend needs jax")
 
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
-from xla_graphs import model  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper
+from xla_graphs import model
 
-import enginekit as ek  # noqa: E402
-from enginekit.backends.xla import program  # noqa: E402
-from enginekit.config import ShapeProfile  # noqa: E402
-from enginekit.engine import TensorSpec  # noqa: E402
+import enginekit as ek
+from enginekit.backends.xla import program
+from enginekit.config import ShapeProfile
+from enginekit.engine import TensorSpec
 
 
 def _int(name: str, *values: int):

@@ -14,8 +14,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from enginekit.backends.xla.ops import (
+    control,
+    extra,
+    index,
+    nn,
+    pool,
+    quant,
+    reduce,
+    resize,
+    tensor,
+)
 from enginekit.backends.xla.ops import elementwise as ew
-from enginekit.backends.xla.ops import control, extra, index, nn, pool, quant, reduce, resize, tensor
 
 OpFunction = Callable[..., Any]
 Entry = OpFunction | dict[int, OpFunction]

@@ -12,7 +12,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-
 from enginekit.backends.xla.ops.common import OpError, scalar, to_jax, xp
 
 
@@ -110,9 +109,7 @@ def OneHot(indices: Any, depth: Any, values: Any, axis: int = -1) -> Any:
     return jnp.where(hot, off_on[1], off_on[0])
 
 
-def ReverseSequence(
-    input: Any, sequence_lens: Any, batch_axis: int = 1, time_axis: int = 0
-) -> Any:
+def ReverseSequence(input: Any, sequence_lens: Any, batch_axis: int = 1, time_axis: int = 0) -> Any:
     x = to_jax(input)
     steps = jax.lax.broadcasted_iota(jnp.int64, x.shape, time_axis)
     lens = jnp.asarray(sequence_lens).astype(jnp.int64)
@@ -121,6 +118,3 @@ def ReverseSequence(
     lens = lens.reshape(shape)
     source = jnp.where(steps < lens, lens - 1 - steps, steps)
     return jnp.take_along_axis(x, source, axis=time_axis)
-
-
-

@@ -46,9 +46,7 @@ def _nd_index(data: Any, indices: Any, batch_dims: int) -> tuple[Any, ...]:
         indices = to_jax(indices)
     lead = tuple(indices.shape[:-1])
     batch = tuple(_iota(lead, b, m) for b in range(batch_dims))
-    picked = tuple(
-        _wrapped(indices[..., i], data.shape[batch_dims + i]) for i in range(int(depth))
-    )
+    picked = tuple(_wrapped(indices[..., i], data.shape[batch_dims + i]) for i in range(int(depth)))
     return batch + picked
 
 

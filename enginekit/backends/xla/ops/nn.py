@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -81,7 +81,7 @@ def Conv(
     return y
 
 
-def _window_smaller_than_kernel(spatial: tuple[Any, ...], kernel: list[int]) -> bool:
+def _window_smaller_than_kernel(spatial: tuple[Any, ...], kernel: Sequence[int]) -> bool:
     """XLA's algebraic simplifier swaps a convolution's operands when the input's spatial
     size is below the kernel's (a 3x3 conv on ResNet's last 2x2 stage at a small input);
     XLA:CPU then runs the swapped form ~30x slower than the same work as a matmul."""
@@ -103,14 +103,20 @@ def _conv_by_windows(
     n = X.ndim - 2
     x = X if channels_last else jnp.moveaxis(X, 1, -1)
     kernel = W if channels_last else jnp.moveaxis(W, (0, 1), (-1, -2))  # HWIO
-    x = jax.lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0), *((lo, hi, 0) for lo, hi in padding), (0, 0, 0)])
+    x = jax.lax.pad(
+        x, jnp.zeros((), x.dtype), [(0, 0, 0), *((lo, hi, 0) for lo, hi in padding), (0, 0, 0)]
+    )
     size = x.shape[1:-1]
     taps = kernel.shape[:n]
     out = [(size[i] - (taps[i] - 1) * dilations[i] - 1) // strides[i] + 1 for i in range(n)]
     windows = []
     for offset in itertools.product(*(range(k) for k in taps)):
         start = [0, *(o * d for o, d in zip(offset, dilations)), 0]
-        limit = [x.shape[0], *(st + (o - 1) * s + 1 for st, o, s in zip(start[1:-1], out, strides)), x.shape[-1]]
+        limit = [
+            x.shape[0],
+            *(st + (o - 1) * s + 1 for st, o, s in zip(start[1:-1], out, strides)),
+            x.shape[-1],
+        ]
         windows.append(jax.lax.slice(x, start, limit, [1, *strides, 1]))
     stacked = jnp.stack(windows, axis=-2)  # [N, *out, taps, Cin]
     flat = kernel.reshape(math.prod(taps), kernel.shape[-2], kernel.shape[-1])

@@ -66,7 +66,9 @@ def _cubic(a: float, antialias: bool) -> Coeffs:
 
     def coeffs(ratio: float, scale: float) -> np.ndarray:
         if not antialias:
-            return np.array([kernel(ratio + 1), kernel(ratio), kernel(1 - ratio), kernel(2 - ratio)])
+            return np.array(
+                [kernel(ratio + 1), kernel(ratio), kernel(1 - ratio), kernel(2 - ratio)]
+            )
         s = min(scale, 1.0)
         start = int(np.floor(-2 / s) + 1)
         taps = np.array([kernel(s * (i - ratio)) for i in range(start, 2 - start)])
@@ -114,7 +116,7 @@ def _taps(
     ratios = np.where(x == floor, 1.0, x - floor)
     weights = np.stack([np.asarray(coeffs(float(r), scale), np.float64) for r in ratios])
     n = weights.shape[1]
-    pad = int(math.ceil(n / 2))
+    pad = math.ceil(n / 2)
     padded = x + pad
     base = np.floor(padded)
     frac = padded - base
@@ -151,7 +153,11 @@ def _resize_axis(
 
 
 def _output_dims(
-    dims: tuple[Any, ...], scales: list[float] | None, sizes: list[int] | None, policy: str, axes: list[int]
+    dims: tuple[Any, ...],
+    scales: list[float] | None,
+    sizes: list[int] | None,
+    policy: str,
+    axes: list[int],
 ) -> tuple[list[Any], list[float]]:
     rank = len(dims)
     if sizes is not None:
@@ -165,16 +171,20 @@ def _output_dims(
         if policy == "stretch":
             return full_sizes, ratio
         if policy not in ("not_larger", "not_smaller"):
-            raise OpError(f"keep_aspect_ratio_policy {policy!r}: expected stretch, not_larger or not_smaller")
+            raise OpError(
+                f"keep_aspect_ratio_policy {policy!r}: expected stretch, not_larger or not_smaller"
+            )
         pick = min if policy == "not_larger" else max
         scale = pick(ratio[a] for a in axes)
         out = [int(scale * dims[a] + 0.5) if a in axes else dims[a] for a in range(rank)]
         return out, [scale if a in axes else 1.0 for a in range(rank)]
     full = [1.0] * rank
-    for a, s in zip(axes, scales or []):
-        full[a] = float(s)
-    out = [d if full[a] == 1.0 else int(math.floor(d * full[a])) for a, d in enumerate(dims)]
-    return out, full
+    for a, factor in zip(axes, scales or []):
+        full[a] = float(factor)
+    scaled: list[Any] = [
+        d if full[a] == 1.0 else math.floor(d * full[a]) for a, d in enumerate(dims)
+    ]
+    return scaled, full
 
 
 def _interpolate(
@@ -189,12 +199,16 @@ def _interpolate(
 ) -> Any:
     rank = X.ndim
     picked = [a + rank if a < 0 else a for a in axes] if axes else list(range(rank))
-    scale_list = None if scales is None or np.size(static(scales, "Resize's scales")) == 0 else [
-        float(s) for s in static(scales, "Resize's scales").reshape(-1)
-    ]
-    size_list = None if sizes is None or np.size(static(sizes, "Resize's sizes")) == 0 else [
-        int(s) for s in static(sizes, "Resize's sizes").reshape(-1)
-    ]
+    scale_list = (
+        None
+        if scales is None or np.size(static(scales, "Resize's scales")) == 0
+        else [float(s) for s in static(scales, "Resize's scales").reshape(-1)]
+    )
+    size_list = (
+        None
+        if sizes is None or np.size(static(sizes, "Resize's sizes")) == 0
+        else [int(s) for s in static(sizes, "Resize's sizes").reshape(-1)]
+    )
     if scale_list is None and size_list is None:
         raise OpError("Resize needs scales or sizes")
     out, factor = _output_dims(tuple(X.shape), scale_list, size_list, policy, picked)
@@ -219,7 +233,12 @@ def _interpolate(
 
 
 def _how(
-    mode: str, transform: str, nearest_mode: str, cubic_coeff_a: float, antialias: int, exclude_outside: int
+    mode: str,
+    transform: str,
+    nearest_mode: str,
+    cubic_coeff_a: float,
+    antialias: int,
+    exclude_outside: int,
 ) -> dict[str, Any]:
     if mode == "nearest":
         coeffs = _nearest(nearest_mode)
@@ -253,7 +272,12 @@ def Resize(
     nearest_mode: str = "round_prefer_floor",
 ) -> Any:
     how = _how(
-        mode, coordinate_transformation_mode, nearest_mode, cubic_coeff_a, antialias, exclude_outside
+        mode,
+        coordinate_transformation_mode,
+        nearest_mode,
+        cubic_coeff_a,
+        antialias,
+        exclude_outside,
     )
     return _interpolate(
         X, roi, scales, sizes, how, axes, keep_aspect_ratio_policy, extrapolation_value
@@ -275,4 +299,3 @@ def Upsample_7(X: Any, scales: list[float] | None = None, mode: str = "nearest")
     if scales is None:
         raise OpError("Upsample needs its scales attribute")
     return Upsample(X, np.asarray(scales, np.float32), mode=mode)
-
