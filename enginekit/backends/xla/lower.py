@@ -383,6 +383,36 @@ def _run_node(
             env.put(name, reduced.narrow(value, low), call.out_tag)
 
 
+def _pretransposed_gemms(
+    nodes: list[onnx.NodeProto], consts: dict[str, np.ndarray], outputs: set[str]
+) -> list[onnx.NodeProto]:
+    """Gemm with ``transB=1`` on a constant B read by nothing else: B stored transposed and
+    ``transB=0``. XLA:CPU's dot takes B as [K, N]; given [N, K] it copies the whole weight into
+    that layout on every call (a classifier's 2 MB ``transpose_copy_fusion`` per inference)."""
+    readers: dict[str, int] = {}
+    for node in nodes:
+        for name in uses(node):
+            readers[name] = readers.get(name, 0) + 1
+    out = []
+    for node in nodes:
+        b = node.input[1] if node.op_type == "Gemm" and len(node.input) > 1 else ""
+        alone = readers.get(b) == 1 and b not in outputs
+        if b in consts and alone and attributes(node).get("transB", 0):
+            consts[b] = np.ascontiguousarray(consts[b].T)
+            node = _with_attr(node, "transB", 0)
+        out.append(node)
+    return out
+
+
+def _with_attr(node: onnx.NodeProto, name: str, value: Any) -> onnx.NodeProto:
+    copy = onnx.NodeProto()
+    copy.CopyFrom(node)
+    kept = [a for a in copy.attribute if a.name != name]
+    del copy.attribute[:]
+    copy.attribute.extend([*kept, onnx.helper.make_attribute(name, value)])
+    return copy
+
+
 def _run_graph(
     env: Env, graph: onnx.GraphProto, opset: int, nhwc: bool, low: Any = None
 ) -> list[Any]:
@@ -426,10 +456,10 @@ def lower(
     nodes = topological(graph)
     consts = _initializers(graph)
     folded = _fold(nodes, consts, opset)
-    live = [n for n in nodes if id(n) not in folded]
+    outputs = tuple(o.name for o in graph.output)
+    live = _pretransposed_gemms([n for n in nodes if id(n) not in folded], consts, set(outputs))
     nhwc = layout == "nhwc"
     inputs = tuple(i.name for i in graph.input if i.name not in consts)
-    outputs = tuple(o.name for o in graph.output)
     used = {i for n in live for i in uses(n) if i in consts} | {o for o in outputs if o in consts}
     weight_names = tuple(sorted(n for n in used if consts[n].size > inline_limit))
     statics = {n: consts[n] for n in used if n not in weight_names}
