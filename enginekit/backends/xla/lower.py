@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from enginekit.backends.xla import graph as graph_
 from enginekit.backends.xla import layout as lay
 from enginekit.backends.xla import precision as reduced
 from enginekit.backends.xla.check import (
@@ -34,6 +35,7 @@ from enginekit.backends.xla.check import (
     opset_of,
     subgraphs,
 )
+from enginekit.backends.xla.graph import prepare, topological, uses
 from enginekit.errors import BuildError
 
 log = logging.getLogger(__name__)
@@ -71,62 +73,6 @@ class Lowered:
     outputs: tuple[str, ...]
     layout: str
     stats: dict[str, Any]
-
-
-# -- graph preparation ------------------------------------------------------------------------
-
-
-def prepare(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with its local functions inlined (torch's exporter may emit them)."""
-    if proto.functions:
-        from onnx import inliner
-
-        return inliner.inline_local_functions(proto)
-    return proto
-
-
-def outer_names(graph: onnx.GraphProto) -> set[str]:
-    """Names a (sub)graph reads from the scope around it."""
-    own = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
-    own |= {o for n in graph.node for o in n.output}
-    return {name for n in graph.node for name in uses(n)} - own
-
-
-def uses(node: onnx.NodeProto) -> list[str]:
-    """Every tensor a node reads: its inputs, and what its subgraphs take from outside."""
-    implicit = sorted({name for g in subgraphs(node) for name in outer_names(g)})
-    return [*node.input, *implicit]
-
-
-def topological(
-    graph: onnx.GraphProto, outer: frozenset[str] = frozenset()
-) -> list[onnx.NodeProto]:
-    """Nodes in an order where every input is produced before use.
-
-    Args:
-        outer: names a subgraph may read from the scope around it.
-
-    Raises:
-        BuildError: a cycle, or an input nothing produces.
-    """
-    known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""} | outer
-    pending = list(graph.node)
-    needs = {id(n): uses(n) for n in pending}
-    ordered: list[onnx.NodeProto] = []
-    while pending:
-        ready = [n for n in pending if all(i in known for i in needs[id(n)])]
-        if not ready:
-            missing = sorted({i for n in pending for i in needs[id(n)] if i not in known})
-            raise BuildError(
-                f"the graph cannot be ordered: tensor(s) {', '.join(missing[:5])} are used but "
-                "never produced (a cycle, or a subgraph-only value)"
-            )
-        ready_ids = {id(n) for n in ready}
-        ordered.extend(ready)
-        for n in ready:
-            known.update(n.output)
-        pending = [n for n in pending if id(n) not in ready_ids]
-    return ordered
 
 
 # -- constant folding and weights ---------------------------------------------------------------
@@ -383,36 +329,6 @@ def _run_node(
             env.put(name, reduced.narrow(value, low), call.out_tag)
 
 
-def _pretransposed_gemms(
-    nodes: list[onnx.NodeProto], consts: dict[str, np.ndarray], outputs: set[str]
-) -> list[onnx.NodeProto]:
-    """Gemm with ``transB=1`` on a constant B read by nothing else: B stored transposed and
-    ``transB=0``. XLA:CPU's dot takes B as [K, N]; given [N, K] it copies the whole weight into
-    that layout on every call (a classifier's 2 MB ``transpose_copy_fusion`` per inference)."""
-    readers: dict[str, int] = {}
-    for node in nodes:
-        for name in uses(node):
-            readers[name] = readers.get(name, 0) + 1
-    out = []
-    for node in nodes:
-        b = node.input[1] if node.op_type == "Gemm" and len(node.input) > 1 else ""
-        alone = readers.get(b) == 1 and b not in outputs
-        if b in consts and alone and attributes(node).get("transB", 0):
-            consts[b] = np.ascontiguousarray(consts[b].T)
-            node = _with_attr(node, "transB", 0)
-        out.append(node)
-    return out
-
-
-def _with_attr(node: onnx.NodeProto, name: str, value: Any) -> onnx.NodeProto:
-    copy = onnx.NodeProto()
-    copy.CopyFrom(node)
-    kept = [a for a in copy.attribute if a.name != name]
-    del copy.attribute[:]
-    copy.attribute.extend([*kept, onnx.helper.make_attribute(name, value)])
-    return copy
-
-
 def _run_graph(
     env: Env, graph: onnx.GraphProto, opset: int, nhwc: bool, low: Any = None
 ) -> list[Any]:
@@ -457,7 +373,9 @@ def lower(
     consts = _initializers(graph)
     folded = _fold(nodes, consts, opset)
     outputs = tuple(o.name for o in graph.output)
-    live = _pretransposed_gemms([n for n in nodes if id(n) not in folded], consts, set(outputs))
+    live = graph_.pretransposed_gemms(
+        [n for n in nodes if id(n) not in folded], consts, set(outputs)
+    )
     nhwc = layout == "nhwc"
     inputs = tuple(i.name for i in graph.input if i.name not in consts)
     used = {i for n in live for i in uses(n) if i in consts} | {o for o in outputs if o in consts}
