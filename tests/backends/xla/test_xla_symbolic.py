@@ -1,4 +1,5 @@
-"""Shape arithmetic on symbolic dims (batch, seq) lowers, builds once, and runs at every size.
+"""Shape arithmetic on symbolic dims (batch, seq) lowers, builds once, and runs at every size;
+If lowers its branch when the condition is known at build time.
 
 Each graph is the smallest form of a pattern a real exported model has: ConvNeXt's residual
 adds a channels-last conv output to an ONNX-layout tensor (``2048*batch`` elements), BERT and
@@ -139,3 +140,56 @@ def test_symbol_bounds_span_every_profile_and_input():
     bounds = program.symbol_bounds(specs, profiles, dims)
     assert bounds == {"batch": [1, 16], "seq": [4, 128]}
     assert program.constraints(bounds) == ("batch <= 16", "seq >= 4", "seq <= 128")
+
+
+def _if_graph(cond_nodes, cond_inputs=()):
+    """y = If(cond, then: x * 2, else: x + 1), x [batch, 4]."""
+    then_branch = helper.make_graph(
+        [helper.make_node("Mul", ["x", "two"], ["t"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Add", ["x", "two"], ["e"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, None)],
+    )
+    nodes = [
+        *cond_nodes,
+        helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch),
+    ]
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]), *cond_inputs],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [numpy_helper.from_array(np.float32(2.0), "two"), _int("rank2", 2)],
+    )
+
+
+def test_if_on_a_condition_computed_from_shapes_lowers_the_branch_taken(tmp_path):
+    m = _if_graph(
+        [
+            helper.make_node("Shape", ["x"], ["shape"]),
+            helper.make_node("Size", ["shape"], ["rank"]),
+            helper.make_node("Equal", ["rank", "rank2"], ["eq"]),
+            helper.make_node("Squeeze", ["eq"], ["cond"]),
+        ]
+    )
+    rng = np.random.default_rng(3)
+    _check(
+        m,
+        {"x": [(1, 4), (2, 4), (8, 4)]},
+        lambda b: {"x": rng.standard_normal((b, 4)).astype(np.float32)},
+        (1, 5),
+        tmp_path,
+    )
+
+
+def test_if_on_a_condition_from_input_values_is_refused_naming_the_node(tmp_path):
+    m = _if_graph([], [helper.make_tensor_value_info("cond", TensorProto.BOOL, [1])])
+    path = tmp_path / "m.onnx"
+    ek.Model.save(ek.load_model(m), path)
+    with pytest.raises(ek.BuildError, match=r"If.*condition is computed from the inputs"):
+        ek.build(path, backend="xla", shapes={"x": (2, 4), "cond": (1,)}, xla_flags="xla-default")
