@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 NAME = "xla"
 PROGRAM = "model.stablehlo"
 WEIGHTS = "weights.safetensors"
-PRECISIONS = ("fp32",)
+#: bf16/fp16: weights and activations in that type, statistics and softmax in float32
+#: (``lower.WIDE_OPS``); inputs and outputs stay float32. Verification gates them.
+PRECISIONS = ("fp32", "bf16", "fp16")
 #: Layout used when the ``layout`` option is not given (measured: benchmarks/xla.py).
 DEFAULT_LAYOUT = "nhwc"
 
@@ -148,6 +150,13 @@ def _device(device: str) -> Any:
         raise BackendUnavailable(f"jax has no {device!r} device here") from None
 
 
+def _put(arrays: Any, device: Any) -> tuple[Any, ...]:
+    """Arrays on ``device`` with their own dtypes (int64 position tables stay int64)."""
+    jax = _jax()
+    with jax.enable_x64(True):
+        return tuple(jax.device_put(a, device) for a in arrays)
+
+
 def _platform(device: str) -> str:
     return "cuda" if device.startswith("cuda") else "cpu"
 
@@ -159,13 +168,15 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     """Lower, export with symbolic dims, measure layouts and XLA options, write the payload."""
     from enginekit.backends.xla import check, lower, program
     from enginekit.backends.xla import layout as lay
+    from enginekit.backends.xla import precision as reduced
 
     jax = _jax()
     opts = _parse_options(config.options)
-    if config.precision.value != "fp32":
+    precision = config.precision.value
+    if precision not in PRECISIONS:
         raise BuildError(
-            f"the XLA backend builds fp32 engines; precision={config.precision.value} is not "
-            "supported (use --backend onnxruntime or tensorrt for fp16/int8)"
+            f"the XLA backend builds {', '.join(PRECISIONS)} engines; precision={precision} is "
+            "not supported (use --backend onnxruntime or tensorrt for int8)"
         )
     proto = lower.prepare(model.proto)
     check.check(proto)
@@ -174,13 +185,14 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     if not has_convs:
         layouts = [layouts[0]]
     dims = program.symbolic_dims(model.inputs, config.profiles)
+    bounds = program.symbol_bounds(model.inputs, config.profiles, dims)
     device = _device(config.device)
     platform = _platform(config.device)
     candidates: dict[str, tuple[Any, Any, Any]] = {}
     for layout in layouts:
-        lowered = lower.lower(proto, layout)
-        exported = program.export(lowered.fn, lowered.weights, model.inputs, dims, platform)
-        on_device = tuple(jax.device_put(w, device) for w in lowered.weights)
+        lowered = lower.lower(proto, layout, precision=precision)
+        exported = program.export(lowered.fn, lowered.weights, model.inputs, dims, platform, bounds)
+        on_device = _put(lowered.weights, device)
         candidates[layout] = (lowered, exported, on_device)
     flag_sets = _flag_sets(opts.xla_flags, platform)
     trials = _tune(model, config, candidates, flag_sets, device, opts)
@@ -207,11 +219,17 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         if buckets == opts.buckets
         else "batch rows interact: padding would change results",
         "symbolic_dims": dims,
+        "symbolic_constraints": list(program.constraints(bounds)),
         "platform": platform,
         "jax_version": jax.__version__,
         "weight_names": list(lowered.weight_names),
         "weight_layouts": list(lowered.weight_layouts),
         "lowering": dict(lowered.stats),
+        "precision": {
+            "weights_and_activations": precision,
+            "float32_ops": sorted(reduced.WIDE_OPS) if precision != "fp32" else [],
+            "io": "float32 inputs and outputs are cast at the program's edges",
+        },
         "opset": check.opset_of(proto),
         "load_options": {"cache_dir": opts.cache_dir, "precompile": opts.precompile},
     }
@@ -275,6 +293,8 @@ def _tune(
 
 
 def _batched(model: Model) -> bool:
+    if not model.inputs:
+        return False
     return all(s.shape and isinstance(s.shape[0], str) for s in model.inputs) and all(
         s.shape and s.shape[0] == model.inputs[0].shape[0] for s in model.outputs
     )
@@ -314,8 +334,11 @@ def _winner(trials: list[dict[str, Any]]) -> tuple[str, str]:
 def _save_weights(path: Path, names: tuple[str, ...], weights: tuple[np.ndarray, ...]) -> None:
     from safetensors.numpy import save_file
 
+    # safetensors' numpy API has no bfloat16: such weights are stored as float32 (exactly) and
+    # cast back on load to the type the program takes them in.
+    wide = [w.astype(np.float32) if w.dtype.name == "bfloat16" else w for w in weights]
     try:
-        save_file({n: np.ascontiguousarray(w) for n, w in zip(names, weights)}, str(path))
+        save_file({n: np.ascontiguousarray(w) for n, w in zip(names, wide)}, str(path))
     except Exception as exc:
         raise BuildError(f"cannot write the weights as safetensors: {exc}") from None
 
@@ -364,7 +387,7 @@ def _load(artifact: Artifact, device: str) -> XlaEngine:
     from enginekit.backends.xla import program
     from enginekit.backends.xla.runtime import XlaEngine
 
-    jax = _jax()
+    _jax()  # BackendUnavailable, with what to install, before reading anything
     manifest = artifact.manifest
     meta = manifest.get("backend", {}).get("metadata", {})
     if "weight_names" not in meta or "compiler_options" not in meta:
@@ -377,9 +400,11 @@ def _load(artifact: Artifact, device: str) -> XlaEngine:
         )
     exported = program.deserialize(artifact.read(PROGRAM))
     target = _device(device)
-    weights = [
-        jax.device_put(w, target) for w in _load_weights(artifact, list(meta["weight_names"]))
-    ]
+    stored = _load_weights(artifact, list(meta["weight_names"]))
+    takes = [a.dtype for a in exported.in_avals[: len(stored)]]
+    weights = list(
+        _put([w.astype(t) if w.dtype != t else w for w, t in zip(stored, takes)], target)
+    )
     if options.cache_dir:
         _use_cache_dir(options.cache_dir)
     engine = XlaEngine(

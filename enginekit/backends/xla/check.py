@@ -57,7 +57,23 @@ def _accepted_attrs(fn: Callable[..., Any]) -> set[str] | None:
     params = inspect.signature(fn).parameters.values()
     if any(p.kind == p.VAR_KEYWORD for p in params):
         return None
-    return {p.name for p in params if p.kind != p.VAR_POSITIONAL} - {"channels_last"}
+    return {p.name for p in params if p.kind != p.VAR_POSITIONAL} - {"channels_last", "run"}
+
+
+def _takes_branches(fn: Callable[..., Any]) -> bool:
+    """Whether the op function lowers subgraphs (If): it has a ``run`` parameter."""
+    return "run" in inspect.signature(fn).parameters
+
+
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs held in a node's attributes (If's branches, Loop's body)."""
+    found: list[onnx.GraphProto] = []
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            found.append(attr.g)
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            found.extend(attr.graphs)
+    return found
 
 
 def _type_problem(value: onnx.ValueInfoProto) -> str | None:
@@ -75,7 +91,6 @@ def _type_problem(value: onnx.ValueInfoProto) -> str | None:
 
 def problems(proto: onnx.ModelProto) -> list[str]:
     """Why the lowering cannot take each node it cannot take (empty: it takes them all)."""
-    from enginekit.backends.xla.ops import resolve
 
     opset = opset_of(proto)
     found = [
@@ -84,7 +99,15 @@ def problems(proto: onnx.ModelProto) -> list[str]:
         for v in values
         if _type_problem(v)
     ]
-    for i, node in enumerate(proto.graph.node):
+    found.extend(_node_problems(list(proto.graph.node), opset))
+    return found
+
+
+def _node_problems(nodes: list[onnx.NodeProto], opset: int) -> list[str]:
+    from enginekit.backends.xla.ops import resolve
+
+    found = []
+    for i, node in enumerate(nodes):
         label = node_label(node, i)
         if node.domain not in DEFAULT_DOMAINS:
             found.append(
@@ -95,12 +118,15 @@ def problems(proto: onnx.ModelProto) -> list[str]:
         if fn is None:
             found.append(f"node {label}: op {node.op_type} is not supported")
             continue
-        if any(
-            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-            for a in node.attribute
-        ):
+        branches = subgraphs(node)
+        if branches and not _takes_branches(fn):
             found.append(f"node {label}: subgraph attributes are not supported")
             continue
+        for graph in branches:
+            found.extend(
+                f"{label} branch {graph.name!r}: {p}"
+                for p in _node_problems(list(graph.node), opset)
+            )
         accepted = _accepted_attrs(fn)
         legacy = {"broadcast", "axis"} if opset < 7 and node.op_type in LEGACY_BINARY else set()
         unknown = sorted(

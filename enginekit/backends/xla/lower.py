@@ -24,8 +24,18 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from enginekit.backends.xla import graph as graph_
 from enginekit.backends.xla import layout as lay
-from enginekit.backends.xla.check import LEGACY_BINARY, attributes, check, node_label, opset_of
+from enginekit.backends.xla import precision as reduced
+from enginekit.backends.xla.check import (
+    LEGACY_BINARY,
+    attributes,
+    check,
+    node_label,
+    opset_of,
+    subgraphs,
+)
+from enginekit.backends.xla.graph import prepare, topological, uses
 from enginekit.errors import BuildError
 
 log = logging.getLogger(__name__)
@@ -65,43 +75,6 @@ class Lowered:
     stats: dict[str, Any]
 
 
-# -- graph preparation ------------------------------------------------------------------------
-
-
-def prepare(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with its local functions inlined (torch's exporter may emit them)."""
-    if proto.functions:
-        from onnx import inliner
-
-        return inliner.inline_local_functions(proto)
-    return proto
-
-
-def topological(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """Nodes in an order where every input is produced before use.
-
-    Raises:
-        BuildError: a cycle, or an input nothing produces.
-    """
-    known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
-    pending = list(graph.node)
-    ordered: list[onnx.NodeProto] = []
-    while pending:
-        ready = [n for n in pending if all(i in known for i in n.input)]
-        if not ready:
-            missing = sorted({i for n in pending for i in n.input if i not in known})
-            raise BuildError(
-                f"the graph cannot be ordered: tensor(s) {', '.join(missing[:5])} are used but "
-                "never produced (a cycle, or a subgraph-only value)"
-            )
-        ready_ids = {id(n) for n in ready}
-        ordered.extend(ready)
-        for n in ready:
-            known.update(n.output)
-        pending = [n for n in pending if id(n) not in ready_ids]
-    return ordered
-
-
 # -- constant folding and weights ---------------------------------------------------------------
 
 
@@ -129,6 +102,8 @@ def _fold(nodes: list[onnx.NodeProto], consts: dict[str, np.ndarray], opset: int
     for node in nodes:
         present = [i for i in node.input if i]
         if not all(i in consts for i in present) or node.op_type in lay.ANCHORS | lay.FOLLOWERS:
+            continue
+        if subgraphs(node):  # If: chosen while tracing, where its branch can be lowered
             continue
         fn = resolve(node.op_type, opset)
         if fn is None:
@@ -211,7 +186,7 @@ class Env:
         value, have = self.values[name]
         if have == lay.NHWC:
             return value
-        if np.ndim(value) == 0 or int(np.prod(np.shape(value))) == 1:
+        if _single(np.shape(value)):
             return value
         key = (name, f"aligned{rank}")
         if key not in self._converted:
@@ -222,6 +197,12 @@ class Env:
                 self.conversions += 1
             self._converted[key] = converted
         return self._converted[key]
+
+
+def _single(shape: Sequence[Any]) -> bool:
+    """Whether a tensor of ``shape`` holds one element; symbolic dims (``batch``) never count
+    as 1, and their products are never compared (that raises InconclusiveDimensionOperation)."""
+    return all(isinstance(d, (int, np.integer)) and d == 1 for d in shape)
 
 
 def _jnp() -> Any:
@@ -311,7 +292,9 @@ def _legacy_broadcast(args: list[Any], node: onnx.NodeProto) -> list[Any]:
     return [a, m.reshape(b, tuple(np.shape(b)) + (1,) * trailing), *args[2:]]
 
 
-def _run_node(env: Env, node: onnx.NodeProto, index: int, opset: int, nhwc: bool) -> None:
+def _run_node(
+    env: Env, node: onnx.NodeProto, index: int, opset: int, nhwc: bool, low: Any = None
+) -> None:
     from enginekit.backends.xla.ops import resolve
     from enginekit.backends.xla.ops.common import is_static, to_jax
 
@@ -324,10 +307,15 @@ def _run_node(env: Env, node: onnx.NodeProto, index: int, opset: int, nhwc: bool
         args = call.args
         if opset < 7 and node.op_type in LEGACY_BINARY:
             args = _legacy_broadcast(args, node)
+        if low is not None:
+            args = reduced.at_precision(node.op_type, args, low)
         if node.op_type in _MIXING and not all(a is None or is_static(a) for a in args):
             # Symbolic dims meeting traced data as operands: make them traced values too.
             args = [to_jax(a) if a is not None else None for a in args]
-        results = _call(fn, args, call.attrs)
+        attrs = call.attrs
+        if subgraphs(node):
+            attrs = {**attrs, "run": lambda graph: _run_graph(env, graph, opset, nhwc, low)}
+        results = _call(fn, args, attrs)
     except BuildError as exc:
         raise BuildError(f"node {label}: {exc}") from None
     except Exception as exc:
@@ -338,11 +326,25 @@ def _run_node(env: Env, node: onnx.NodeProto, index: int, opset: int, nhwc: bool
         raise BuildError(f"node {label}: output(s) {missing} are not supported by the XLA backend")
     for name, value in zip(node.output, results):
         if name:
-            env.put(name, value, call.out_tag)
+            env.put(name, reduced.narrow(value, low), call.out_tag)
+
+
+def _run_graph(
+    env: Env, graph: onnx.GraphProto, opset: int, nhwc: bool, low: Any = None
+) -> list[Any]:
+    """Lower a subgraph (an If branch) in ``env``; its outputs, in ONNX layout."""
+    for t in graph.initializer:
+        env.put(t.name, numpy_helper.to_array(t), lay.ONNX)
+    for index, node in enumerate(topological(graph, frozenset(env.values))):
+        _run_node(env, node, index, opset, nhwc, low)
+    return [env.get(o.name, lay.ONNX) for o in graph.output]
 
 
 def lower(
-    proto: onnx.ModelProto, layout: str = "nhwc", inline_limit: int = INLINE_LIMIT
+    proto: onnx.ModelProto,
+    layout: str = "nhwc",
+    inline_limit: int = INLINE_LIMIT,
+    precision: str = "fp32",
 ) -> Lowered:
     """Lower a checked model to a pure function of (weights, inputs).
 
@@ -352,9 +354,17 @@ def lower(
             ``"nchw"`` runs convolutions in ONNX's own layout.
         inline_limit: constants up to this many elements are baked into the program;
             larger ones become weights.
+        precision: ``fp32``, or ``bf16``/``fp16``: float32 weights are stored in that type,
+            float32 inputs cast to it on entry and outputs back to float32 on exit, every
+            float32 result in between held in it; ``precision.WIDE_OPS`` compute in float32.
     """
     if layout not in ("nhwc", "nchw"):
         raise BuildError(f"layout {layout!r}: expected 'nhwc' or 'nchw'")
+    if precision != "fp32" and precision not in reduced.LOW_PRECISION:
+        raise BuildError(
+            f"precision {precision!r}: expected fp32, {', '.join(reduced.LOW_PRECISION)}"
+        )
+    low = reduced.low_dtype(precision)
     proto = prepare(proto)
     check(proto)
     graph = proto.graph
@@ -362,17 +372,21 @@ def lower(
     nodes = topological(graph)
     consts = _initializers(graph)
     folded = _fold(nodes, consts, opset)
-    live = [n for n in nodes if id(n) not in folded]
+    outputs = tuple(o.name for o in graph.output)
+    live = graph_.pretransposed_gemms(
+        [n for n in nodes if id(n) not in folded], consts, set(outputs)
+    )
     nhwc = layout == "nhwc"
     inputs = tuple(i.name for i in graph.input if i.name not in consts)
-    outputs = tuple(o.name for o in graph.output)
-    used = {i for n in live for i in n.input if i in consts} | {o for o in outputs if o in consts}
+    used = {i for n in live for i in uses(n) if i in consts} | {o for o in outputs if o in consts}
     weight_names = tuple(sorted(n for n in used if consts[n].size > inline_limit))
     statics = {n: consts[n] for n in used if n not in weight_names}
     tags = tuple(_weight_tag(name, live, outputs, nhwc) for name in weight_names)
     weights = tuple(
-        np.ascontiguousarray(lay.to_layout(consts[n], t)) for n, t in zip(weight_names, tags)
+        np.ascontiguousarray(reduced.narrow_weight(lay.to_layout(consts[n], t), low))
+        for n, t in zip(weight_names, tags)
     )
+    out_types = [o.type.tensor_type.elem_type for o in graph.output]
     stats: dict[str, Any] = {
         "nodes": len(nodes),
         "folded_nodes": len(folded),
@@ -392,10 +406,15 @@ def lower(
         for name, value, tag in zip(weight_names, weight_args, tags):
             env.put(name, value, tag)
         for name, value in zip(inputs, input_args):
-            env.put(name, value, lay.ONNX)
+            env.put(name, reduced.narrow(value, low), lay.ONNX)
         for index, node in order:
-            _run_node(env, node, index, opset, nhwc)
-        results = tuple(jnp.asarray(_concrete(env.get(name, lay.ONNX))) for name in outputs)
+            _run_node(env, node, index, opset, nhwc, low)
+        results = tuple(
+            reduced.widen(jnp.asarray(_concrete(env.get(name, lay.ONNX))), low)
+            if kind == onnx.TensorProto.FLOAT
+            else jnp.asarray(_concrete(env.get(name, lay.ONNX)))
+            for name, kind in zip(outputs, out_types)
+        )
         stats["layout_conversions"] = env.conversions
         return results
 
@@ -412,6 +431,8 @@ def _weight_tag(name: str, live: list[onnx.NodeProto], outputs: tuple[str, ...],
     """The layout every consumer of weight ``name`` wants, or ONNX when they disagree."""
     wanted = {lay.ONNX} if name in outputs else set()
     for node in live:
+        if name in uses(node)[len(node.input) :]:
+            wanted.add(lay.ONNX)  # read inside a branch
         for i, n in enumerate(node.input):
             if n != name:
                 continue

@@ -51,6 +51,41 @@ def symbolic_dims(
     return out
 
 
+def symbol_bounds(
+    specs: Sequence[TensorSpec],
+    profiles: Sequence[Mapping[str, ShapeProfile]],
+    dims: Mapping[str, Sequence[int | str]],
+) -> dict[str, list[int]]:
+    """Per symbol, the smallest and largest size the build's profiles allow it.
+
+    They become ``jax.export`` constraints (``seq <= 512``): shape arithmetic the profiles
+    decide (``x[:, :seq]`` of a 512-long position table is ``seq`` long) then lowers, instead of
+    failing as an inconclusive comparison. XLA checks them when a program is called.
+    """
+    bounds: dict[str, list[int]] = {}
+    for spec in specs:
+        for axis, d in enumerate(dims.get(spec.name, ())):
+            if not isinstance(d, str):
+                continue
+            for p in profiles:
+                if spec.name not in p:
+                    continue
+                lo, hi = int(p[spec.name].min[axis]), int(p[spec.name].max[axis])
+                have = bounds.setdefault(d, [lo, hi])
+                have[0], have[1] = min(have[0], lo), max(have[1], hi)
+    return bounds
+
+
+def constraints(bounds: Mapping[str, Sequence[int]]) -> tuple[str, ...]:
+    """``jax.export`` constraint strings for symbol bounds (a lower bound of 1 is implied)."""
+    out: list[str] = []
+    for name, (lo, hi) in sorted(bounds.items()):
+        if lo > 1:
+            out.append(f"{name} >= {lo}")
+        out.append(f"{name} <= {hi}")
+    return tuple(out)
+
+
 def _symbol(name: str, input_name: str, axis: int) -> str:
     if name in ("?", ""):
         name = f"{input_name}_{axis}"
@@ -59,13 +94,20 @@ def _symbol(name: str, input_name: str, axis: int) -> str:
 
 
 def _abstract_inputs(
-    specs: Sequence[TensorSpec], dims: Mapping[str, Sequence[int | str]]
+    specs: Sequence[TensorSpec],
+    dims: Mapping[str, Sequence[int | str]],
+    bounds: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[Any, ...]:
     import jax
     from jax import export
 
     symbols = sorted({d for ds in dims.values() for d in ds if isinstance(d, str)})
-    scope = dict(zip(symbols, export.symbolic_shape(", ".join(symbols)))) if symbols else {}
+    wanted = constraints({k: v for k, v in (bounds or {}).items() if k in symbols})
+    scope = (
+        dict(zip(symbols, export.symbolic_shape(", ".join(symbols), constraints=wanted)))
+        if symbols
+        else {}
+    )
     return tuple(
         jax.ShapeDtypeStruct(
             tuple(scope[d] if isinstance(d, str) else d for d in dims[s.name]), np.dtype(s.dtype)
@@ -94,8 +136,12 @@ def export(
     specs: Sequence[TensorSpec],
     dims: Mapping[str, Sequence[int | str]],
     platform: str,
+    bounds: Mapping[str, Sequence[int]] | None = None,
 ) -> Any:
     """Trace ``fn(weights, inputs)`` once and return the ``jax.export.Exported`` program.
+
+    ``bounds`` (symbol -> [min, max], from :func:`symbol_bounds`) become symbolic-shape
+    constraints.
 
     Raises:
         BuildError: the model cannot be traced with these symbolic dims (the message says
@@ -108,7 +154,7 @@ def export(
     with jax.enable_x64(True), jax.default_matmul_precision("highest"), _no_caller_locations():
         try:
             return jax_export.export(jax.jit(fn), platforms=[platform])(
-                weight_specs, _abstract_inputs(specs, dims)
+                weight_specs, _abstract_inputs(specs, dims, bounds)
             )
         except BuildError:
             raise

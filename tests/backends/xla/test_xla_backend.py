@@ -178,11 +178,6 @@ def test_bad_options_are_build_errors(mlp_path, option, match):
         ek.build(mlp_path, backend="xla", shapes={"x": (2, 16)}, **option)
 
 
-def test_reduced_precision_is_refused(mlp_path):
-    with pytest.raises(ek.BuildError, match="fp32"):
-        ek.build(mlp_path, backend="xla", shapes={"x": (2, 16)}, precision="fp16")
-
-
 def test_xla_options_apply_per_engine(mlp_path, tmp_path):
     shapes = {"x": [(1, 16), (8, 16), (8, 16)]}
     found = {}

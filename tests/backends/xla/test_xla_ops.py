@@ -54,7 +54,9 @@ EXCLUDED = {
         "backend builds inference engines"
     ),
     r"maxpool_with_argmax": "MaxPool's second output (Indices) is not supported",
-    r"^test_identity_(opt|sequence)$": "sequence and optional values are not supported (tensors only)",
+    r"^test_identity_(opt|sequence)$|^test_if_(opt|seq)$": (
+        "sequence and optional values are not supported (tensors only)"
+    ),
 }
 
 
@@ -128,21 +130,35 @@ def _exclusion(name: str) -> str | None:
     return next((reason for pattern, reason in EXCLUDED.items() if re.search(pattern, name)), None)
 
 
+def _all_nodes(graph: Any) -> list[Any]:
+    """A graph's nodes and, recursively, those of its nodes' subgraphs (If branches)."""
+    found = []
+    for node in graph.node:
+        found.append(node)
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                found.extend(_all_nodes(sub))
+    return found
+
+
 def _static_names(model: Any) -> set[str]:
     """Tensors that decide shapes, and everything they are computed from (not via Shape)."""
+    nodes = _all_nodes(model.graph)
     static = {
         n.input[i]
-        for n in model.graph.node
+        for n in nodes
         for i in STATIC_INPUTS.get(n.op_type, ())
         if i < len(n.input) and n.input[i]
     }
-    producers = {o: n for n in model.graph.node for o in n.output}
+    producers = {o: n for n in nodes for o in n.output}
     todo = list(static)
     while todo:
         node = producers.get(todo.pop())
         if node is None or node.op_type in ("Shape", "Size"):
             continue
-        for name in node.input:
+        branches = [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+        results = [o.name for g in branches for o in g.output]  # an If's outputs come from these
+        for name in [*node.input, *results]:
             if name and name not in static:
                 static.add(name)
                 todo.append(name)

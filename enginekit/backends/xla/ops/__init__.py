@@ -14,8 +14,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from enginekit.backends.xla.ops import (
+    control,
+    extra,
+    index,
+    nn,
+    pool,
+    quant,
+    reduce,
+    resize,
+    tensor,
+)
 from enginekit.backends.xla.ops import elementwise as ew
-from enginekit.backends.xla.ops import nn, pool, quant, reduce, tensor
 
 OpFunction = Callable[..., Any]
 Entry = OpFunction | dict[int, OpFunction]
@@ -102,6 +112,12 @@ OPS: dict[str, Entry] = {
     "Slice": tensor.Slice,
     "Gather": tensor.Gather,
     "GatherElements": tensor.GatherElements,
+    "GatherND": index.GatherND,
+    "ScatterND": index.ScatterND,
+    "ScatterElements": index.ScatterElements,
+    "Scatter": index.Scatter,
+    "Resize": {10: resize.Resize_10, 11: resize.Resize},
+    "Upsample": {7: resize.Upsample_7, 9: resize.Upsample},
     "Expand": tensor.Expand,
     "Tile": tensor.Tile,
     "Pad": tensor.Pad,
@@ -112,6 +128,8 @@ OPS: dict[str, Entry] = {
     "DepthToSpace": tensor.DepthToSpace,
     "SpaceToDepth": tensor.SpaceToDepth,
     "EyeLike": tensor.EyeLike,
+    # control flow
+    "If": control.If,
     # neural network
     "Conv": nn.Conv,
     "ConvTranspose": nn.ConvTranspose,
@@ -147,6 +165,20 @@ OPS: dict[str, Entry] = {
     "ArgMin": reduce.ArgMin,
     "CumSum": reduce.CumSum,
     "TopK": reduce.TopK,
+    # smaller ops of newer opsets and the test data
+    "Shrink": extra.Shrink,
+    "Swish": extra.Swish,
+    "BitShift": extra.BitShift,
+    "BitwiseAnd": extra.BitwiseAnd,
+    "BitwiseOr": extra.BitwiseOr,
+    "BitwiseXor": extra.BitwiseXor,
+    "BitwiseNot": extra.BitwiseNot,
+    "CumProd": extra.CumProd,
+    "MeanVarianceNormalization": extra.MeanVarianceNormalization,
+    "GroupNormalization": extra.GroupNormalization,
+    "RMSNormalization": extra.RMSNormalization,
+    "OneHot": extra.OneHot,
+    "ReverseSequence": extra.ReverseSequence,
     # quantization
     "QuantizeLinear": quant.QuantizeLinear,
     "DequantizeLinear": quant.DequantizeLinear,
@@ -184,5 +216,10 @@ STATIC_INPUTS: dict[str, tuple[int, ...]] = {
     "Trilu": (1,),
     "CumSum": (1,),
     "Dropout": (1, 2),
+    "Resize": (1, 2, 3),
+    "CumProd": (1,),
+    "OneHot": (1,),
+    "Upsample": (1,),
+    "If": (0,),
     **{op: (1,) for op in OPS if op.startswith("Reduce")},
 }

@@ -8,6 +8,9 @@ at build time, never per call.
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -59,21 +62,66 @@ def Conv(
     kernel = _kernelspatial_dims(W, n, channels_last)
     strides = strides or [1] * n
     dilations = dilations or [1] * n
-    padding = explicit_pads(
-        auto_pad, pads, spatial_dims(X, channels_last), kernel, strides, dilations
-    )
-    y = jax.lax.conv_general_dilated(
-        X,
-        W,
-        window_strides=strides,
-        padding=padding,
-        rhs_dilation=dilations,
-        dimension_numbers=_dimension_numbers(X.ndim, channels_last),
-        feature_group_count=group,
-    )
+    spatial = spatial_dims(X, channels_last)
+    padding = explicit_pads(auto_pad, pads, spatial, kernel, strides, dilations)
+    if group == 1 and _window_smaller_than_kernel(spatial, kernel):
+        y = _conv_by_windows(X, W, padding, strides, dilations, channels_last)
+    else:
+        y = jax.lax.conv_general_dilated(
+            X,
+            W,
+            window_strides=strides,
+            padding=padding,
+            rhs_dilation=dilations,
+            dimension_numbers=_dimension_numbers(X.ndim, channels_last),
+            feature_group_count=group,
+        )
     if B is not None:
         y = y + per_channel(B, y.ndim, channels_last)
     return y
+
+
+def _window_smaller_than_kernel(spatial: tuple[Any, ...], kernel: Sequence[int]) -> bool:
+    """XLA's algebraic simplifier swaps a convolution's operands when the input's spatial
+    size is below the kernel's (a 3x3 conv on ResNet's last 2x2 stage at a small input);
+    XLA:CPU then runs the swapped form ~30x slower than the same work as a matmul."""
+    if not all(isinstance(d, int) for d in spatial):
+        return False
+    return math.prod(spatial) < math.prod(kernel)
+
+
+def _conv_by_windows(
+    X: Any,
+    W: Any,
+    padding: list[tuple[int, int]],
+    strides: list[int],
+    dilations: list[int],
+    channels_last: bool,
+) -> Any:
+    """The convolution as one matmul over the stacked kernel windows (im2col); for inputs
+    smaller than the kernel, where the windows are few."""
+    n = X.ndim - 2
+    x = X if channels_last else jnp.moveaxis(X, 1, -1)
+    kernel = W if channels_last else jnp.moveaxis(W, (0, 1), (-1, -2))  # HWIO
+    x = jax.lax.pad(
+        x, jnp.zeros((), x.dtype), [(0, 0, 0), *((lo, hi, 0) for lo, hi in padding), (0, 0, 0)]
+    )
+    size = x.shape[1:-1]
+    taps = kernel.shape[:n]
+    out = [(size[i] - (taps[i] - 1) * dilations[i] - 1) // strides[i] + 1 for i in range(n)]
+    windows = []
+    for offset in itertools.product(*(range(k) for k in taps)):
+        start = [0, *(o * d for o, d in zip(offset, dilations)), 0]
+        limit = [
+            x.shape[0],
+            *(st + (o - 1) * s + 1 for st, o, s in zip(start[1:-1], out, strides)),
+            x.shape[-1],
+        ]
+        windows.append(jax.lax.slice(x, start, limit, [1, *strides, 1]))
+    stacked = jnp.stack(windows, axis=-2)  # [N, *out, taps, Cin]
+    flat = kernel.reshape(math.prod(taps), kernel.shape[-2], kernel.shape[-1])
+    y = jnp.einsum("...kc,kco->...o", stacked, flat)
+    return y if channels_last else jnp.moveaxis(y, -1, 1)
 
 
 def ConvTranspose(

@@ -112,7 +112,7 @@ def Split(input: Any, split: Any = None, axis: int = 0, num_outputs: int | None 
 
 def _slice(start: int, end: int, step: int, dim: Any) -> slice:
     # ONNX's clamping rules are Python's slicing rules; only symbolic dims need sentinels mapped.
-    if isinstance(dim, int):
+    if isinstance(dim, int) and isinstance(start, int) and isinstance(end, int):
         lo, hi, st = slice(start, end, step).indices(dim)
         return slice(lo, None if hi < 0 else hi, st)
     if step > 0:
@@ -131,6 +131,9 @@ def Slice(data: Any, starts: Any, ends: Any, axes: Any = None, steps: Any = None
             raise OpError("Slice step 0 is not allowed")
         a = axis(a, data.ndim)
         index[a] = _slice(s, e, st, data.shape[a])
+    bounds = [b for i in index for b in (i.start, i.stop, i.step)]
+    if is_static(data) and not _all_int(b for b in bounds if b is not None):
+        data = jnp.asarray(data)  # numpy cannot slice to a symbolic bound (``:seq``)
     return data[tuple(index)]
 
 

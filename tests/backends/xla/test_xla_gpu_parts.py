@@ -1,0 +1,49 @@
+"""The CPU-side parts of the XLA GPU checks (tests/gpu/xla_gpu.py), run on the CPU device."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jax", reason="the XLA backend needs jax")
+
+from models import CASES
+
+GPU_DIR = Path(__file__).resolve().parents[2] / "gpu"
+
+
+@pytest.fixture(scope="module")
+def xla_gpu():
+    spec = importlib.util.spec_from_file_location("xla_gpu", GPU_DIR / "xla_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("xla_gpu", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(sys.modules["xla_gpu"])
+    return sys.modules["xla_gpu"]
+
+
+def test_jax_summary_names_jax_and_its_devices(xla_gpu):
+    import jax
+
+    summary = xla_gpu.jax_summary()
+    assert summary["jax"] == jax.__version__
+    assert any("cpu" in d.lower() for d in summary["devices"])
+    assert "gpu" in summary
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_check_builds_reloads_and_compares_a_conformance_model(
+    xla_gpu, precision, onnx_model, tmp_path
+):
+    spec = CASES["mlp"]
+    report = xla_gpu.check(
+        "mlp", onnx_model("mlp"), spec.shapes, spec.feeds, (1, 19), "cpu", precision, tmp_path
+    )
+    import onnx
+
+    outputs = {o.name for o in onnx.load(str(onnx_model("mlp"))).graph.output}
+    assert report.batches == (1, 19)
+    assert set(report.worst) == outputs
+    assert all(0 <= e < (1e-3 if precision == "fp32" else 5e-2) for e in report.worst.values())
