@@ -140,85 +140,31 @@ def clamp_gather_indices(mod: Any) -> Any:
     return mod
 
 
-def _resolved_shape(data: Any, shape: Any) -> list[Any] | None:
-    """``shape`` (a symbolic ShapeExpr or a constant holding one -1) with the -1 worked out
-    from ``data``'s known shape, or None where that cannot be done."""
-    import numpy as np
-    import tvm
-    from tvm import relax, tirx
-    from tvm.sym.analyzer import Analyzer
-
-    if isinstance(shape, relax.ShapeExpr):
-        dims = list(shape.values)
-    elif isinstance(shape, tvm.ir.GenericConst) and shape.value.numpy().ndim == 1:
-        dims = [int(d) for d in shape.value.numpy()]
-    else:
-        return None
-    is_minus_one = [isinstance(d, (int, tirx.IntImm)) and int(d) == -1 for d in dims]
-    zero = any(isinstance(d, (int, tirx.IntImm)) and int(d) == 0 for d in dims)
-    if sum(is_minus_one) != 1 or zero:
-        return None
-    ty = getattr(data, "ty", None)
-    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
-        return None
-    in_dims = list(ty.shape.values)
-    if isinstance(shape, tvm.ir.GenericConst) and all(
-        isinstance(d, tirx.IntImm) for d in in_dims
-    ):
-        return None  # fully static: the stock converter does the same
-    total: Any = tirx.IntImm("int64", 1)
-    for d in in_dims:
-        total = total * d
-    known: Any = tirx.IntImm("int64", 1)
-    for d, m1 in zip(dims, is_minus_one):
-        if not m1:
-            known = known * (tirx.IntImm("int64", int(d)) if isinstance(d, (int, np.integer)) else d)
-    inferred = Analyzer().simplify(tirx.floordiv(total, known))
-    return [inferred if m1 else d for d, m1 in zip(dims, is_minus_one)]
-
-
 def _converters() -> dict[str, Any]:
     """enginekit's converters, registered over the stock ones for the ops they fix."""
     import tvm
     from tvm import relax
     from tvm.relax.frontend.onnx import onnx_frontend
 
-    stock = onnx_frontend.Reshape
-
-    class Reshape(stock):  # type: ignore[misc, valid-type]
-        """Reshape to a shape with a -1 next to symbolic dims (``[batch, seq, -1]``, built
-        from Shape ops by PyTorch's exporters): TVM 0.27 gives the result no shape at all,
-        and the next Reshape with a -1 fails ("Check failed: (data_ty->shape.has_value())").
-        The -1 is worked out symbolically from the input's shape (``batch*seq*32 /
-        (batch*seq) = 32``) so the result keeps its shape."""
-
-        @classmethod
-        def _impl_v13(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
-            # A literal 0 (copy a dim, or a 0 dim under allowzero) is left to the stock
-            # converter; without one, allowzero does not change the meaning.
-            shape = onnx_frontend.get_constant(inputs[1], params)
-            resolved = _resolved_shape(inputs[0], shape)
-            if resolved is not None:
-                return relax.op.reshape(inputs[0], resolved)
-            return super()._impl_v13(bb, inputs, attr, params)
-
     class Range(onnx_frontend.Range):  # type: ignore[misc, valid-type, name-defined]
         """Range(0, seq, 1) with ``seq`` a symbolic dim: TVM 0.27 gives the result a fresh
         length (``range_len_0``), so position embeddings no longer match the tokens' shape
         and everything after the Add loses its shape (GPT-2's positions). Integer ranges with
-        constant start and step and a symbolic limit keep the limit in the length."""
+        start 0, a constant step and a symbolic limit keep the limit in the length."""
 
         @classmethod
         def _impl_v12(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
             start, limit, delta = (onnx_frontend.get_constant(i, params) for i in inputs)
             steps = [_int_scalar(start), _int_scalar(delta)]
-            if tvm.ir.is_prim_expr(limit) and None not in steps and steps[1] > 0:
+            # From 0 with a positive step the length ceil(limit / step) is never negative
+            # for a dim (limit >= 0); other ranges keep the stock conversion.
+            if tvm.ir.is_prim_expr(limit) and steps[0] == 0 and (steps[1] or 0) > 0:
                 dtype = str(getattr(limit, "dtype", None) or limit.ty)
                 if dtype.startswith("int"):
-                    return relax.op.arange(steps[0], limit, steps[1], dtype)
+                    return relax.op.arange(0, limit, steps[1], dtype)
             return super()._impl_v12(bb, inputs, attr, params)
 
-    return {"Reshape": Reshape, "Range": Range}
+    return {"Range": Range}
 
 
 def _int_scalar(value: Any) -> int | None:

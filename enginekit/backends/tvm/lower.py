@@ -287,6 +287,7 @@ def graph_summary(graph: Any) -> dict[str, Any]:
 
     ops: Counter[str] = Counter()
     conv_layouts: Counter[str] = Counter()
+    others: Counter[str] = Counter()
     for _gv, func in graph.functions_items():
         if not isinstance(func, relax.Function):
             continue
@@ -297,9 +298,17 @@ def graph_summary(graph: Any) -> dict[str, Any]:
             ops[name] += 1
             if name.startswith("relax.nn.conv"):
                 conv_layouts[f"{call.attrs.data_layout}/{call.attrs.kernel_layout}"] += 1
+                if name != "relax.nn.conv2d" and not call.attrs.data_layout.endswith("C"):
+                    others[name.removeprefix("relax.nn.")] += 1
+    notes = [
+        f"{n} {op} kept in {('NCW' if op.endswith('1d') else 'NCDHW')}: TVM's ConvertLayout "
+        "converts conv2d only"
+        for op, n in sorted(others.items())
+    ]
     return {
         "transposes": ops["relax.permute_dims"] + ops["relax.layout_transform"],
         "conv_layouts": dict(conv_layouts),
+        "layout_notes": notes,
         "ops": dict(ops.most_common()),
     }
 
