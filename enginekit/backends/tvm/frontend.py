@@ -142,6 +142,7 @@ def clamp_gather_indices(mod: Any) -> Any:
 
 def _converters() -> dict[str, Any]:
     """enginekit's converters, registered over the stock ones for the ops they fix."""
+    import numpy as np
     import tvm
     from tvm import relax
     from tvm.relax.frontend.onnx import onnx_frontend
@@ -164,7 +165,34 @@ def _converters() -> dict[str, Any]:
                     return relax.op.arange(0, limit, steps[1], dtype)
             return super()._impl_v12(bb, inputs, attr, params)
 
-    return {"Range": Range}
+    class Clip(onnx_frontend.Clip):  # type: ignore[misc, valid-type, name-defined]
+        """Clip (ReLU6 in MobileNets) as Relax maximum/minimum: TVM 0.27 emits it as an
+        opaque TIR call, which ConvertLayout cannot see through, so every NHWC conv followed
+        by a clip got a transpose on each side (70 in MobileNetV2)."""
+
+        @classmethod
+        def _impl_v1(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x = inputs[0]
+            dtype = x.ty.dtype
+            low, high = float(attr.get("min", -np.inf)), float(attr.get("max", np.inf))
+            if low > -np.inf:
+                x = bb.emit(relax.op.maximum(x, relax.const(low, dtype)))
+            if high < np.inf:
+                x = bb.emit(relax.op.minimum(x, relax.const(high, dtype)))
+            return x
+
+        @classmethod
+        def _impl_v13(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x = inputs[0]
+            if len(inputs) > 1 and inputs[1] is not None:
+                low = cls._sanitize_nan_clip_bound(bb, inputs[1], for_min=True)
+                x = bb.emit(relax.op.maximum(x, low))
+            if len(inputs) > 2 and inputs[2] is not None:
+                high = cls._sanitize_nan_clip_bound(bb, inputs[2], for_min=False)
+                x = bb.emit(relax.op.minimum(x, high))
+            return x
+
+    return {"Range": Range, "Clip": Clip}
 
 
 def _int_scalar(value: Any) -> int | None:
