@@ -67,3 +67,41 @@ def test_convs_convertlayout_skips_are_named_in_the_manifest(tmp_path):
         assert meta["layout"] == "NHWC"
         assert meta["conv_layouts"] == {"NCW/OIW": 1, "NHWC/HWIO": 1}
         assert meta["layout_notes"] == ["1 conv1d kept in NCW: TVM's ConvertLayout converts conv2d only"]
+
+
+@pytest.mark.parametrize("opset", [9, 18])
+def test_nhwc_passes_through_clip_without_transposes(tmp_path, opset):
+    # conv -> ReLU6 (Clip) -> conv, as in MobileNets: TVM 0.27 imports Clip as an opaque TIR
+    # call, which left a transpose on each side of every clip.
+    rng = np.random.default_rng(3)
+    inits = {
+        "w1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32),
+        "w2": rng.standard_normal((4, 8, 1, 1)).astype(np.float32),
+    }
+    if opset >= 11:
+        inits |= {"lo": np.array(0.0, np.float32), "hi": np.array(6.0, np.float32)}
+        clip = helper.make_node("Clip", ["c1", "lo", "hi"], ["r"])
+    else:
+        clip = helper.make_node("Clip", ["c1"], ["r"], min=0.0, max=6.0)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        clip,
+        helper.make_node("Conv", ["r", "w2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    path = tmp_path / "relu6.onnx"
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 7
+    onnx.save(model, path)
+    with ek.build(path, backend="tvm", shapes={"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}) as e:
+        meta = e.manifest["backend"]["metadata"]
+        assert meta["conv_layouts"] == {"NHWC/HWIO": 2}
+        assert meta["transposes"] == 2  # the input in, the output out
+        x = {"x": 4 * rng.standard_normal((2, 3, 8, 8)).astype(np.float32)}
+        np.testing.assert_allclose(e.infer(x)["y"], reference(path, x)["y"], rtol=1e-4, atol=1e-4)
