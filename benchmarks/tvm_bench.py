@@ -89,13 +89,30 @@ def latency_ms(engines: dict, feeds: dict, rounds: int) -> dict[str, float]:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+_TORCHVISION_SCHEMAS = None
+
+
 def bert(hidden: int = 128, layers: int = 2, heads: int = 4) -> object | None:
     """A small BERT encoder (transformers' own module code, random weights), or None."""
+    import torch
+
+    # transformers imports torchvision; PyPI's torchvision wheel registers kernels for two ops
+    # its C++ library (built for a CUDA torch) does not define on this CPU torch.
+    global _TORCHVISION_SCHEMAS
+    try:
+        _TORCHVISION_SCHEMAS = torch.library.Library("torchvision", "DEF")
+        _TORCHVISION_SCHEMAS.define(
+            "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
+        )
+        _TORCHVISION_SCHEMAS.define(
+            "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
+        )
+    except RuntimeError:  # already defined (a working torchvision, or a second call)
+        pass
     try:
         import transformers
     except ImportError:
         return None
-    import torch
 
     config = transformers.BertConfig(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,

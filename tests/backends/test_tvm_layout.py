@@ -105,3 +105,36 @@ def test_nhwc_passes_through_clip_without_transposes(tmp_path, opset):
         assert meta["transposes"] == 2  # the input in, the output out
         x = {"x": 4 * rng.standard_normal((2, 3, 8, 8)).astype(np.float32)}
         np.testing.assert_allclose(e.infer(x)["y"], reference(path, x)["y"], rtol=1e-4, atol=1e-4)
+
+
+def test_nhwc_relays_per_channel_constants_of_lower_rank(tmp_path):
+    # conv -> concat -> x * s with s of shape (C, 1, 1) -> relu -> conv: batch norm left after
+    # a concat (DenseNet) exports that way; ConvertLayout used to transpose back around it.
+    rng = np.random.default_rng(4)
+    inits = {
+        "w0": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+        "w1": rng.standard_normal((4, 4, 3, 3)).astype(np.float32),
+        "w2": rng.standard_normal((4, 8, 1, 1)).astype(np.float32),
+        "s": rng.standard_normal((8, 1, 1)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["a"], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["a", "w1"], ["b"], pads=[1, 1, 1, 1]),
+        helper.make_node("Concat", ["a", "b"], ["c"], axis=1),
+        helper.make_node("Mul", ["c", "s"], ["cs"]),
+        helper.make_node("Relu", ["cs"], ["cr"]),
+        helper.make_node("Conv", ["cr", "w2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    path = tmp_path / "concat_scale.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    with ek.build(path, backend="tvm", shapes={"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}) as e:
+        assert e.manifest["backend"]["metadata"]["transposes"] == 2
+        x = {"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)}
+        np.testing.assert_allclose(e.infer(x)["y"], reference(path, x)["y"], rtol=1e-4, atol=1e-3)
