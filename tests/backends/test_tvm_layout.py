@@ -62,11 +62,15 @@ def test_convs_convertlayout_skips_are_named_in_the_manifest(tmp_path):
     )
     path = tmp_path / "conv1d2d.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
-    with ek.build(path, backend="tvm", shapes={"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}) as e:
+    with ek.build(
+        path, backend="tvm", shapes={"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}
+    ) as e:
         meta = e.manifest["backend"]["metadata"]
         assert meta["layout"] == "NHWC"
         assert meta["conv_layouts"] == {"NCW/OIW": 1, "NHWC/HWIO": 1}
-        assert meta["layout_notes"] == ["1 conv1d kept in NCW: TVM's ConvertLayout converts conv2d only"]
+        assert meta["layout_notes"] == [
+            "1 conv1d kept in NCW: TVM's ConvertLayout converts conv2d only"
+        ]
 
 
 @pytest.mark.parametrize("opset", [9, 18])
@@ -99,7 +103,9 @@ def test_nhwc_passes_through_clip_without_transposes(tmp_path, opset):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 7
     onnx.save(model, path)
-    with ek.build(path, backend="tvm", shapes={"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}) as e:
+    with ek.build(
+        path, backend="tvm", shapes={"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}
+    ) as e:
         meta = e.manifest["backend"]["metadata"]
         assert meta["conv_layouts"] == {"NHWC/HWIO": 2}
         assert meta["transposes"] == 2  # the input in, the output out
@@ -134,7 +140,9 @@ def test_nhwc_relays_per_channel_constants_of_lower_rank(tmp_path):
     )
     path = tmp_path / "concat_scale.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
-    with ek.build(path, backend="tvm", shapes={"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}) as e:
+    with ek.build(
+        path, backend="tvm", shapes={"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}
+    ) as e:
         assert e.manifest["backend"]["metadata"]["transposes"] == 2
         x = {"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)}
         np.testing.assert_allclose(e.infer(x)["y"], reference(path, x)["y"], rtol=1e-4, atol=1e-3)

@@ -147,7 +147,7 @@ def _converters() -> dict[str, Any]:
     from tvm import relax
     from tvm.relax.frontend.onnx import onnx_frontend
 
-    class Range(onnx_frontend.Range):  # type: ignore[misc, valid-type, name-defined]
+    class Range(onnx_frontend.Range):
         """Range(0, seq, 1) with ``seq`` a symbolic dim: TVM 0.27 gives the result a fresh
         length (``range_len_0``), so position embeddings no longer match the tokens' shape
         and everything after the Add loses its shape (GPT-2's positions). Integer ranges with
@@ -165,7 +165,7 @@ def _converters() -> dict[str, Any]:
                     return relax.op.arange(0, limit, steps[1], dtype)
             return super()._impl_v12(bb, inputs, attr, params)
 
-    class Clip(onnx_frontend.Clip):  # type: ignore[misc, valid-type, name-defined]
+    class Clip(onnx_frontend.Clip):
         """Clip (ReLU6 in MobileNets) as Relax maximum/minimum: TVM 0.27 emits it as an
         opaque TIR call, which ConvertLayout cannot see through, so every NHWC conv followed
         by a clip got a transpose on each side (70 in MobileNetV2)."""

@@ -203,13 +203,13 @@ def full_rank_constants(mod: Any) -> Any:
             call = super().visit_call_(call)
             if not (isinstance(call.op, tvm.ir.Op) and call.op.name in _BINARY):
                 return call
-            ranks = [
-                len(a.ty.shape) if isinstance(getattr(a, "ty", None), relax.TensorType)
-                and a.ty.shape is not None else None
+            known = [
+                isinstance(getattr(a, "ty", None), relax.TensorType) and a.ty.shape is not None
                 for a in call.args
             ]
-            if None in ranks:
+            if not all(known):
                 return call
+            ranks: list[int] = [len(a.ty.shape) for a in call.args]
             top = max(ranks)
             args = []
             for arg, rank in zip(call.args, ranks):
