@@ -1,12 +1,14 @@
-"""TVM backend vs ONNX Runtime on a ResNet-style CNN, measured side by side in one run.
+"""TVM backend vs ONNX Runtime, measured side by side in one run, on a ResNet-style CNN and a
+small BERT (transformers, random weights; skipped when transformers is not installed).
 
-Rows: ONNX Runtime (default session), TVM NHWC with enginekit's default schedules (untuned),
-TVM NHWC tuned with a small MetaSchedule budget, TVM NCHW (untuned), and TVM's stock
-schedules (``schedule="none"``, batch 1 only: it is tens of times slower). Columns: build
-(compile) and tuning seconds, median latency per batch size, and the ratio to ONNX Runtime.
+Rows: ONNX Runtime (default session), TVM with enginekit's default schedules (untuned; NHWC and
+NCHW for the CNN), optionally TVM tuned with a small MetaSchedule budget. Columns: build
+(compile) and tuning seconds, median latency per batch size, and the ratio to ONNX Runtime
+(latency / ORT's: below 1 is faster than ORT). The host's CPU and ISA flags are printed: the
+ratios differ between AVX-512 and AVX2-only hosts.
 
-    python benchmarks/tvm_bench.py                       # 64x64 inputs, batches 1 and 32, 32 trials
-    python benchmarks/tvm_bench.py --size 112 --trials 64 --batches 1,8,32
+    python benchmarks/tvm_bench.py                      # CNN 64x64 + BERT seq 32, batches 1,16
+    python benchmarks/tvm_bench.py --models cnn --size 112 --trials 64 --batches 1,8,32
 """
 
 from __future__ import annotations
@@ -87,39 +89,52 @@ def latency_ms(engines: dict, feeds: dict, rounds: int) -> dict[str, float]:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def main() -> None:
+_TORCHVISION_SCHEMAS = None
+
+
+def bert(hidden: int = 128, layers: int = 2, heads: int = 4) -> object | None:
+    """A small BERT encoder (transformers' own module code, random weights), or None."""
     import torch
 
+    # transformers imports torchvision; PyPI's torchvision wheel registers kernels for two ops
+    # its C++ library (built for a CUDA torch) does not define on this CPU torch.
+    global _TORCHVISION_SCHEMAS
+    try:
+        _TORCHVISION_SCHEMAS = torch.library.Library("torchvision", "DEF")
+        _TORCHVISION_SCHEMAS.define(
+            "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
+        )
+        _TORCHVISION_SCHEMAS.define(
+            "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
+        )
+    except RuntimeError:  # already defined (a working torchvision, or a second call)
+        pass
+    try:
+        import transformers
+    except ImportError:
+        return None
+
+    config = transformers.BertConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=4 * hidden, vocab_size=1000, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = model
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.bert(input_ids=input_ids).last_hidden_state
+
+    return Encoder().eval()
+
+
+def _run(title: str, path: Path, shapes: dict, configs: dict, feeds_of, batches, rounds) -> None:
     import enginekit as ek
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--size", type=int, default=64, help="input height and width (default 64)")
-    ap.add_argument("--batches", default="1,32", help="batch sizes (default 1,32)")
-    ap.add_argument("--trials", type=int, default=32, help="tuning trials per batch size (0: skip)")
-    ap.add_argument("--rounds", type=int, default=7)
-    args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    top = max(batches)
-    tmp = Path(tempfile.mkdtemp(prefix="enginekit-bench-tvm-"))
-    path = ek.export(
-        resnet(), (torch.randn(1, 3, args.size, args.size),), tmp / "resnet.onnx",
-        dynamic_dims={"x": {0: "batch"}},
-    )  # fmt: skip
-    full = (top, 3, args.size, args.size)
-    shapes = {"x": [(1, 3, args.size, args.size), full, full]}
-    configs: dict[str, dict] = {
-        "onnxruntime": {"backend": "onnxruntime"},
-        "tvm NHWC": {"backend": "tvm", "layout": "NHWC"},
-        "tvm NCHW": {"backend": "tvm", "layout": "NCHW"},
-    }
-    if args.trials:
-        configs[f"tvm NHWC tuned ({args.trials} trials)"] = {
-            "backend": "tvm",
-            "layout": "NHWC",
-            "tune": {"trials": args.trials, "batch_sizes": batches},
-            "tuning_db": str(tmp / "tvm-db"),
-        }
-    configs["tvm NHWC, stock schedules"] = {"backend": "tvm", "schedule": "none"}
     engines, build_s, tune_s = {}, {}, {}
     for name, options in configs.items():
         start = time.perf_counter()
@@ -127,17 +142,9 @@ def main() -> None:
         build_s[name] = time.perf_counter() - start
         tuning = engines[name].manifest["backend"].get("metadata", {}).get("tuning")
         tune_s[name] = tuning["seconds"] if tuning else 0.0
-        print(f"built {name}: {build_s[name]:.1f} s", flush=True)
-    rng = np.random.default_rng(0)
-    results: dict[int, dict[str, float]] = {}
-    for batch in batches:
-        feeds = {"x": rng.standard_normal((batch, 3, args.size, args.size)).astype(np.float32)}
-        pick = {n: e for n, e in engines.items() if batch == 1 or "stock" not in n}
-        results[batch] = latency_ms(pick, feeds, args.rounds)
-    print(
-        f"\nResNet-style CNN, {args.size}x{args.size} inputs, medians of interleaved rounds "
-        f"(lower is better); ratio = latency / ONNX Runtime's"
-    )
+        print(f"built {title} {name}: {build_s[name]:.1f} s", flush=True)
+    results = {b: latency_ms(engines, feeds_of(b), rounds) for b in batches}
+    print(f"\n{title}; medians of interleaved rounds (lower is better); ratio = latency / ORT's")
     header = f"{'engine':34s} {'build s':>8s} {'tune s':>7s}" + "".join(
         f" {'b' + str(b) + ' ms':>10s} {'ratio':>6s}" for b in batches
     )
@@ -146,12 +153,78 @@ def main() -> None:
     for name in engines:
         row = f"{name:34s} {build_s[name] - tune_s[name]:8.1f} {tune_s[name]:7.1f}"
         for b in batches:
-            ms = results[b].get(name)
-            ratio = ms / results[b]["onnxruntime"] if ms is not None else None
-            row += f" {ms:10.2f} {ratio:6.2f}" if ms is not None else f" {'skipped':>10s} {'':>6s}"
+            ms = results[b][name]
+            row += f" {ms:10.2f} {ms / results[b]['onnxruntime']:6.2f}"
         print(row)
+    print(flush=True)
     for engine in engines.values():
         engine.close()
+
+
+def main() -> None:
+    import torch
+
+    import enginekit as ek
+    from enginekit import target
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", default="cnn,bert", help="cnn, bert or both (default)")
+    ap.add_argument("--size", type=int, default=64, help="CNN input height and width (default 64)")
+    ap.add_argument("--seq", type=int, default=32, help="BERT sequence length (default 32)")
+    ap.add_argument("--batches", default="1,16", help="batch sizes (default 1,16)")
+    ap.add_argument(
+        "--trials", type=int, default=0, help="tuning trials per batch (default 0: none)"
+    )
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    top = max(batches)
+    models = args.models.split(",")
+    tmp = Path(tempfile.mkdtemp(prefix="enginekit-bench-tvm-"))
+    print(f"host: {target.cpu_name()}, ISA {' '.join(sorted(target.cpu_flags()))}", flush=True)
+    rng = np.random.default_rng(0)
+    if "cnn" in models:
+        path = ek.export(
+            resnet(), (torch.randn(1, 3, args.size, args.size),), tmp / "resnet.onnx",
+            dynamic_dims={"x": {0: "batch"}},
+        )  # fmt: skip
+        full = (top, 3, args.size, args.size)
+        configs: dict[str, dict] = {
+            "onnxruntime": {"backend": "onnxruntime"},
+            "tvm NHWC": {"backend": "tvm", "layout": "NHWC"},
+            "tvm NCHW": {"backend": "tvm", "layout": "NCHW"},
+        }
+        if args.trials:
+            configs[f"tvm NHWC tuned ({args.trials} trials)"] = {
+                "backend": "tvm",
+                "layout": "NHWC",
+                "tune": {"trials": args.trials, "batch_sizes": batches},
+                "tuning_db": str(tmp / "tvm-db"),
+            }
+        images = {
+            b: rng.standard_normal((b, 3, args.size, args.size)).astype(np.float32) for b in batches
+        }
+        _run(
+            f"ResNet-style CNN, {args.size}x{args.size} inputs", path,
+            {"x": [(1, 3, args.size, args.size), full, full]}, configs,
+            lambda b: {"x": images[b]}, batches, args.rounds,
+        )  # fmt: skip
+    encoder = bert() if "bert" in models else None
+    if "bert" in models and encoder is None:
+        print("bert: skipped (pip install transformers)")
+    if encoder is not None:
+        ids = torch.randint(0, 1000, (2, args.seq))
+        path = ek.export(
+            encoder, (ids,), tmp / "bert.onnx", dynamic_batch=True,
+            dynamic_dims={"input_ids": {1: "seq"}},
+        )  # fmt: skip
+        shapes = {"input_ids": [(1, 1), (top, args.seq), (top, args.seq)]}
+        tokens = {b: rng.integers(0, 1000, (b, args.seq)) for b in batches}
+        _run(
+            f"BERT (hidden 128, 2 layers, 4 heads), sequence {args.seq}", path, shapes,
+            {"onnxruntime": {"backend": "onnxruntime"}, "tvm": {"backend": "tvm"}},
+            lambda b: {"input_ids": tokens[b]}, batches, args.rounds,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

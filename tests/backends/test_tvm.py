@@ -115,7 +115,7 @@ def test_tampered_library_is_refused(cnn_path, tmp_path):
         ek.load(out)
 
 
-def test_non_contiguous_and_unaligned_inputs_give_the_same_results(cnn_nhwc):
+def test_non_contiguous_unaligned_and_readonly_inputs_give_the_same_results(cnn_nhwc):
     feeds = CNN.feeds(4, seed=5)["x"]
     with ek.load(cnn_nhwc) as engine:
         want = engine.infer(feeds)["output"]
@@ -123,7 +123,9 @@ def test_non_contiguous_and_unaligned_inputs_give_the_same_results(cnn_nhwc):
         raw = np.empty(feeds.size + 1, np.float32)[1:].reshape(feeds.shape)  # 4-byte offset
         raw[...] = feeds
         assert raw.ctypes.data % 64 != 0
-        for variant in (strided, raw):
+        readonly = np.frombuffer(feeds.tobytes(), np.float32).reshape(feeds.shape)
+        assert not readonly.flags.writeable  # as onnx.numpy_helper.to_array gives them
+        for variant in (strided, raw, readonly):
             np.testing.assert_array_equal(engine.infer(variant)["output"], want)
         first = engine.infer(feeds)["output"]
         engine.infer(CNN.feeds(4, seed=6))  # outputs are not reused buffers

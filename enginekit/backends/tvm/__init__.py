@@ -172,6 +172,23 @@ def _compile(
     return tuned, done
 
 
+def _lower(
+    mod: Any, target: Any, opts: dict[str, Any], workdir: Path
+) -> tuple[Any, list[dict[str, Any]], set[str]]:
+    """Optimize in ``opts["layout"]`` and compile the dynamic module; returns the optimized
+    graph, the kernels (before scheduling) and the names of the scheduled ones."""
+    from enginekit.backends.tvm import lower
+
+    layout = opts["layout"]
+    with step(f"optimizing the Relax program ({layout}, constant folding, fusion)"):
+        graph, fused = lower.optimize(mod, target, layout)
+    # Before scheduling, which rewrites the kernels in place (blocks split into init/update).
+    kernels = lower.kernel_summary(fused)
+    with step(f"compiling {DYNAMIC} for {target.kind.name} (dynamic batch)"):
+        _, scheduled = _compile(fused, target, opts, None, workdir / DYNAMIC)
+    return graph, kernels, scheduled
+
+
 def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     """Import, lay out, fuse, schedule (and optionally tune) and compile the model."""
     _tvm()
@@ -190,16 +207,22 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     spec = tune.parse_tune(config.options.get("tune"), _default_batch(config, model))
     if spec is not None:
         tune.require_tuning_deps()
-    layout = opts["layout"]
     start = time.perf_counter()
     with step("importing ONNX into Relax"):
         mod = frontend.import_onnx(model)
-    with step(f"optimizing the Relax program ({layout}, constant folding, fusion)"):
-        graph, fused = lower.optimize(mod, target, layout)
-    # Before scheduling, which rewrites the kernels in place (blocks split into init/update).
-    kernels = lower.kernel_summary(fused)
-    with step(f"compiling {DYNAMIC} for {target.kind.name} (dynamic batch)"):
-        _, scheduled = _compile(fused, target, opts, None, workdir / DYNAMIC)
+    fallback = None
+    try:
+        graph, kernels, scheduled = _lower(mod, target, opts, workdir)
+    except BuildError as exc:
+        if opts["layout"] != "NHWC":
+            raise
+        # NHWC is a speed option: a model TVM cannot convert, or whose converted program
+        # fails later, is built in its own layout, and the manifest says why.
+        fallback = f"NHWC failed, built NCHW: {exc}"
+        log.warning("tvm: %s", fallback)
+        opts["layout"] = "NCHW"
+        graph, kernels, scheduled = _lower(mod, target, opts, workdir)
+    layout = opts["layout"]
     compile_s = time.perf_counter() - start
     files = [DYNAMIC]
     modules: list[dict[str, Any]] = [{"file": DYNAMIC, "shapes": None}]
@@ -221,6 +244,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "schedule": opts["schedule"],
         "transposes": summary["transposes"],
         "conv_layouts": summary["conv_layouts"],
+        "layout_notes": ([fallback] if fallback else []) + summary["layout_notes"],
         "kernels": len(kernels),
         "fused_kernels": sum(1 for k in kernels if k["name"].startswith("fused_")),
         "modules": modules,
@@ -373,6 +397,7 @@ def inspect(artifact: Artifact, ir: bool = False) -> dict[str, Any]:
         "layout": meta.get("layout"),
         "transposes": meta.get("transposes"),
         "conv_layouts": meta.get("conv_layouts"),
+        "layout_notes": meta.get("layout_notes", []),
         "target": meta.get("target"),
         "kernels": len(kernels),
         "fused": fused,

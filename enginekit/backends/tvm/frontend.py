@@ -3,8 +3,10 @@ unsupported op is reported by name and node instead of deep inside the importer.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginekit.errors import BuildError
@@ -138,6 +140,97 @@ def clamp_gather_indices(mod: Any) -> Any:
     return mod
 
 
+def _converters() -> dict[str, Any]:
+    """enginekit's converters, registered over the stock ones for the ops they fix."""
+    import numpy as np
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend.onnx import onnx_frontend
+
+    class Range(onnx_frontend.Range):
+        """Range(0, seq, 1) with ``seq`` a symbolic dim: TVM 0.27 gives the result a fresh
+        length (``range_len_0``), so position embeddings no longer match the tokens' shape
+        and everything after the Add loses its shape (GPT-2's positions). Integer ranges with
+        start 0, a constant step and a symbolic limit keep the limit in the length."""
+
+        @classmethod
+        def _impl_v12(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            start, limit, delta = (onnx_frontend.get_constant(i, params) for i in inputs)
+            steps = [_int_scalar(start), _int_scalar(delta)]
+            # From 0 with a positive step the length ceil(limit / step) is never negative
+            # for a dim (limit >= 0); other ranges keep the stock conversion.
+            if tvm.ir.is_prim_expr(limit) and steps[0] == 0 and (steps[1] or 0) > 0:
+                dtype = str(getattr(limit, "dtype", None) or limit.ty)
+                if dtype.startswith("int"):
+                    return relax.op.arange(0, limit, steps[1], dtype)
+            return super()._impl_v12(bb, inputs, attr, params)
+
+    class Clip(onnx_frontend.Clip):
+        """Clip (ReLU6 in MobileNets) as Relax maximum/minimum: TVM 0.27 emits it as an
+        opaque TIR call, which ConvertLayout cannot see through, so every NHWC conv followed
+        by a clip got a transpose on each side (70 in MobileNetV2)."""
+
+        @classmethod
+        def _impl_v1(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x = inputs[0]
+            dtype = x.ty.dtype
+            low, high = float(attr.get("min", -np.inf)), float(attr.get("max", np.inf))
+            if low > -np.inf:
+                x = bb.emit(relax.op.maximum(x, relax.const(low, dtype)))
+            if high < np.inf:
+                x = bb.emit(relax.op.minimum(x, relax.const(high, dtype)))
+            return x
+
+        @classmethod
+        def _impl_v13(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x = inputs[0]
+            if len(inputs) > 1 and inputs[1] is not None:
+                low = cls._sanitize_nan_clip_bound(bb, inputs[1], for_min=True)
+                x = bb.emit(relax.op.maximum(x, low))
+            if len(inputs) > 2 and inputs[2] is not None:
+                high = cls._sanitize_nan_clip_bound(bb, inputs[2], for_min=False)
+                x = bb.emit(relax.op.minimum(x, high))
+            return x
+
+    return {"Range": Range, "Clip": Clip}
+
+
+def _int_scalar(value: Any) -> int | None:
+    """The Python int in a one-element integer constant, else None."""
+    import numpy as np
+    import tvm
+
+    if not isinstance(value, tvm.ir.GenericConst):
+        return None
+    array = value.value.numpy()
+    if array.size != 1 or not np.issubdtype(array.dtype, np.integer):
+        return None
+    return int(array.item())
+
+
+_IMPORT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _registered() -> Iterator[None]:
+    """TVM's importer with enginekit's converters in its op table (it has no hook for
+    custom converters, so the table function is swapped for the length of one import)."""
+    from tvm.relax.frontend.onnx import onnx_frontend
+
+    stock = onnx_frontend._get_convert_map
+    ours = _converters()
+
+    def convert_map() -> dict[str, Any]:
+        return {**stock(), **ours}
+
+    with _IMPORT_LOCK:
+        onnx_frontend._get_convert_map = convert_map
+        try:
+            yield
+        finally:
+            onnx_frontend._get_convert_map = stock
+
+
 def _version() -> str:
     import tvm
 
@@ -160,7 +253,7 @@ def import_onnx(model: Model, shapes: Mapping[str, tuple[int, ...]] | None = Non
     check_ops(model)
     dtypes = {s.name: s.dtype for s in model.inputs}
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _registered():
             # The frontend re-runs onnx.checker and turns its complaints into warnings.
             warnings.simplefilter("ignore")
             mod = from_onnx(

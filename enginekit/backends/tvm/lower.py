@@ -181,6 +181,52 @@ def _has_conv2d(mod: Any) -> bool:
     )
 
 
+_BINARY = frozenset(
+    f"relax.{op}"
+    for op in ("add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "where")
+)
+
+
+def full_rank_constants(mod: Any) -> Any:
+    """Constants broadcast against a higher-rank tensor get that rank (leading 1s).
+
+    A per-channel constant of shape ``(C, 1, 1)`` (batch norm unfolded after a concat, as
+    ONNX exports of DenseNet have) cannot be relaid by ConvertLayout, which then transposes
+    back to NCHW around it (517 transposes in DenseNet-121); ``(1, C, 1, 1)`` converts.
+    """
+    import tvm
+    from tvm import relax
+
+    @relax.expr_functor.mutator
+    class FullRank(relax.PyExprMutator):
+        def visit_call_(self, call: Any) -> Any:
+            call = super().visit_call_(call)
+            if not (isinstance(call.op, tvm.ir.Op) and call.op.name in _BINARY):
+                return call
+            known = [
+                isinstance(getattr(a, "ty", None), relax.TensorType) and a.ty.shape is not None
+                for a in call.args
+            ]
+            if not all(known):
+                return call
+            ranks: list[int] = [len(a.ty.shape) for a in call.args]
+            top = max(ranks)
+            args = []
+            for arg, rank in zip(call.args, ranks):
+                if isinstance(arg, tvm.ir.GenericConst) and 0 < rank < top:
+                    value = arg.value.numpy()
+                    arg = relax.const(value.reshape((1,) * (top - rank) + value.shape), value.dtype)
+                args.append(arg)
+            if all(a.same_as(b) for a, b in zip(args, call.args)):
+                return call
+            return relax.Call(call.op, args, call.attrs, call.ty_args)
+
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = FullRank().visit_expr(func)
+    return mod
+
+
 def optimize(mod: Any, target: Any, layout: str) -> tuple[Any, Any]:
     """Steps 1-3 of the module docstring: layout, folding, legalization and fusion.
 
@@ -201,6 +247,7 @@ def optimize(mod: Any, target: Any, layout: str) -> tuple[Any, Any]:
         # skipped without one, since TVM 0.27's pass dies (std::bad_alloc) on some
         # symbolic-shape graphs such as a transformer layer exported from PyTorch.
         if layout == "NHWC" and _has_conv2d(mod):
+            mod = full_rank_constants(mod)
             # HWIO (not OHWI) weights: the output channel is innermost, so the vectorized axis
             # of the direct convolution reads weights contiguously (OHWI measured 2x slower).
             try:
@@ -287,6 +334,7 @@ def graph_summary(graph: Any) -> dict[str, Any]:
 
     ops: Counter[str] = Counter()
     conv_layouts: Counter[str] = Counter()
+    others: Counter[str] = Counter()
     for _gv, func in graph.functions_items():
         if not isinstance(func, relax.Function):
             continue
@@ -297,9 +345,17 @@ def graph_summary(graph: Any) -> dict[str, Any]:
             ops[name] += 1
             if name.startswith("relax.nn.conv"):
                 conv_layouts[f"{call.attrs.data_layout}/{call.attrs.kernel_layout}"] += 1
+                if name != "relax.nn.conv2d" and not call.attrs.data_layout.endswith("C"):
+                    others[name.removeprefix("relax.nn.")] += 1
+    notes = [
+        f"{n} {op} kept in {('NCW' if op.endswith('1d') else 'NCDHW')}: TVM's ConvertLayout "
+        "converts conv2d only"
+        for op, n in sorted(others.items())
+    ]
     return {
         "transposes": ops["relax.permute_dims"] + ops["relax.layout_transform"],
         "conv_layouts": dict(conv_layouts),
+        "layout_notes": notes,
         "ops": dict(ops.most_common()),
     }
 

@@ -113,7 +113,10 @@ class TvmEngine(Engine):
     def _to_tvm(self, array: np.ndarray) -> Any:
         import tvm
 
-        if self._cpu and array.flags.c_contiguous and array.ctypes.data % _ALIGN == 0:
+        # DLPack (as this TVM speaks it) cannot export a read-only array (np.frombuffer,
+        # onnx.numpy_helper, broadcast views): those are copied.
+        aligned = array.ctypes.data % _ALIGN == 0
+        if self._cpu and array.flags.c_contiguous and array.flags.writeable and aligned:
             return tvm.runtime.from_dlpack(array)  # zero copy
         return tvm.runtime.tensor(np.ascontiguousarray(array), device=self._dev)
 
