@@ -14,9 +14,7 @@ import inspect
 import logging
 import os
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ import onnx
 
 from enginekit.errors import ExportError
 from enginekit.export._tf2onnx import Target
+from enginekit.files import atomic_path
 
 NAME = "tensorflow"
 #: What paths this exporter takes (the registry quotes it when nothing accepts a path).
@@ -462,12 +461,7 @@ def export(
     proto, fn, names = convert(target, shapes, axes, opset, output_names)
     if check:
         check_outputs(proto, fn, target, shapes, axes, examples, names, atol, rtol)
-    tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        tmp = tmpdir / path.name
+    with atomic_path(path, suffix=".onnx") as tmp:
         onnx.save_model(proto, str(tmp))
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
     log.info("exported %s (%d inputs, %d outputs)", path, len(target.names), len(names))
     return path

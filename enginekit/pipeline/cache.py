@@ -24,13 +24,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from enginekit.errors import ArtifactError, EnginekitError
+from enginekit.files import atomic_path, atomic_write, copy_atomic
 from enginekit.version import __version__
 
 LAYOUT = "v1"
@@ -80,33 +80,20 @@ class PruneResult:
 
 
 def _atomic_copy(src: Path, dest: Path, tmp_dir: Path | None = None) -> None:
-    """Copy ``src`` to ``dest`` whole or not at all (temp file, fsync, rename)."""
-    tmp_dir = tmp_dir or dest.parent
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=tmp_dir)
-    try:
-        with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
-            shutil.copyfileobj(f, out, 1 << 20)
-            out.flush()
-            os.fsync(out.fileno())
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Copy ``src`` to ``dest`` whole or not at all (temp file, fsync, rename), readable as a
+    plain copy would be (the umask decides, not the temp file's private mode)."""
+    del tmp_dir  # the temporary lives beside dest: same filesystem, so the rename is atomic
+    copy_atomic(src, dest)
 
 
 def _atomic_write_text(dest: Path, text: str, tmp_dir: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=tmp_dir)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    del tmp_dir
+    with atomic_write(dest, "w") as f:
+        f.write(text)
+
+
+class _Corrupt(Exception):
+    """A cached artifact failed its checksums (internal: ends :meth:`Cache.fetch` as a miss)."""
 
 
 class Cache:
@@ -160,22 +147,19 @@ class Cache:
         src = self.path(key)
         if not src.is_file():
             return None
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
         try:
-            with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
-                shutil.copyfileobj(f, out, 1 << 20)
-                out.flush()
-                os.fsync(out.fileno())
-            try:
-                manifest = open_artifact(tmp).manifest
-            except ArtifactError:
-                self._evict(key)
-                return None
-            os.replace(tmp, dest)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            with atomic_path(dest) as tmp:
+                with open(tmp, "wb") as out, open(src, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+                    out.flush()
+                    os.fsync(out.fileno())
+                try:
+                    manifest = open_artifact(tmp).manifest
+                except ArtifactError:
+                    self._evict(key)
+                    raise _Corrupt from None
+        except _Corrupt:
+            return None
         now = time.time()
         with contextlib.suppress(FileNotFoundError):
             os.utime(src, (now, now))
