@@ -49,3 +49,17 @@ def mlp_path(onnx_model) -> Path:
 
 
 __all__ = ["CASES", "reference"]
+
+
+#: A folder registering the never-available backend ``absent`` (through an entry point).
+PLUGINS = Path(__file__).parent / "plugins"
+
+
+@pytest.fixture
+def absent_backend(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Registers the backend ``absent`` (never available) in this process; returns its name."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    from enginekit import backends
+
+    assert "absent" in backends.names()
+    return "absent"

@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from enginekit import target
 from enginekit.artifact import Artifact, open_artifact
-from enginekit.errors import ArtifactError, BackendUnavailable, BuildError
+from enginekit.errors import (
+    ArtifactError,
+    BackendUnavailable,
+    BuildError,
+    UnknownBackend,
+    did_you_mean,
+)
 
 if TYPE_CHECKING:
     from enginekit.config import BuildConfig
@@ -108,7 +114,8 @@ def get(name: str) -> Backend:
     """The backend registered as ``name`` (imports its module, not its heavy dependency).
 
     Raises:
-        BackendUnavailable: no backend of that name is registered.
+        UnknownBackend: no backend of that name is registered (a usage error, with the closest
+            registered name).
     """
     if name in _loaded:
         return _loaded[name]
@@ -117,12 +124,26 @@ def get(name: str) -> Backend:
     else:
         eps = _entry_points()
         if name not in eps:
-            raise BackendUnavailable(f"no backend named {name!r}; registered: {', '.join(names())}")
+            check_name(name)
         backend = eps[name].load()
         if isinstance(backend, str):
             backend = importlib.import_module(backend)
     _loaded[name] = backend
     return backend
+
+
+def check_name(name: str) -> None:
+    """Refuse a name no backend is registered under, suggesting the closest one.
+
+    Raises:
+        UnknownBackend: ``name`` is not registered (a typo or a plugin not installed).
+    """
+    registered = names()
+    if name not in registered:
+        raise UnknownBackend(
+            f"no backend named {name!r}{did_you_mean(name, registered)} (registered: "
+            f"{', '.join(registered)}; `enginekit backends` lists them)"
+        )
 
 
 def availability(name: str) -> Availability:
@@ -160,9 +181,10 @@ def check_options(backend: Backend, options: Mapping[str, Any]) -> None:
     unknown = [k for k in options if k not in known]
     if unknown:
         listing = ", ".join(sorted(known)) or "none"
+        hints = "".join(did_you_mean(k, known) for k in unknown)
         raise BuildError(
-            f"backend {backend.NAME!r} has no option(s) {', '.join(map(repr, unknown))}; "
-            f"its options: {listing}"
+            f"backend {backend.NAME!r} has no option(s) {', '.join(map(repr, unknown))}{hints} "
+            f"(its options: {listing})"
         )
 
 

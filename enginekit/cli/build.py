@@ -89,8 +89,6 @@ def cmd_build(args: argparse.Namespace) -> int:
     options.update(_tvm_options(args))
     if _auto_requested(args) and (args.no_simplify or args.outputs):
         raise UsageError("--no-simplify and --outputs apply to one backend; name it, not auto")
-    if _auto_requested(args) and _calibration_requested(args):
-        raise UsageError("the int8 calibration flags apply to one backend; name it, not auto")
     if _auto_requested(args):
         return _cmd_build_auto(args, options)
     from enginekit.build import build
@@ -241,6 +239,7 @@ def _cmd_build_auto(args: argparse.Namespace, options: dict[str, Any]) -> int:
         device=args.device,
         atol=args.atol,
         rtol=args.rtol,
+        **_calibration_kwargs(args),
         **extra,
         **options,
     )
@@ -382,11 +381,6 @@ def _calibration_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs["calib_method"] = args.calib_method
     kwargs["allow_table_mismatch"] = args.allow_table_mismatch
     return kwargs
-
-
-def _calibration_requested(args: argparse.Namespace) -> bool:
-    kwargs = _calibration_kwargs(args)
-    return any(kwargs[k] not in (None, False) for k in kwargs if k != "calib_method")
 
 
 def _accuracy_text(output: str, m: dict[str, Any]) -> str:

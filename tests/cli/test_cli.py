@@ -142,3 +142,23 @@ def test_python_dash_m_runs_the_command(module):
         [sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0 and r.stdout.strip() == f"enginekit {enginekit.__version__}"
+
+
+def test_typos_get_the_closest_name_and_the_subcommands_usage(mlp_path, tmp_path):
+    out = str(tmp_path / "m.ekit")
+    flag = cli("build", str(mlp_path), "--backnd", "onnxruntime", "-o", out)
+    assert flag.returncode == 2
+    assert (
+        flag.stderr.startswith("usage: enginekit build")
+        and "did you mean --backend?" in flag.stderr
+    )
+    backend = cli("build", str(mlp_path), "--backend", "onnxruntim", "-o", out)
+    assert backend.returncode == 2 and "did you mean 'onnxruntime'?" in backend.stderr
+    option = cli("build", str(mlp_path), "-O", "optimizaton_level=all", "-o", out)
+    assert "did you mean 'optimization_level'?" in option.stderr
+    outputs = cli("prepare", str(mlp_path), "--outputs", "relu_3", "-o", str(tmp_path / "p.onnx"))
+    assert outputs.returncode == 1 and "did you mean 'relu'" in outputs.stderr
+    nothing_alike = cli(
+        "prepare", str(mlp_path), "--outputs", "hidden_3", "-o", str(tmp_path / "p.onnx")
+    )
+    assert "its tensors: " in nothing_alike.stderr and "'relu'" in nothing_alike.stderr

@@ -40,7 +40,10 @@ def test_every_written_file_and_folder_is_readable_by_others(mlp_path, tmp_path,
     assert main(["build", str(out / "mlp.onnx"), *shapes, "-o", str(out / "m.ekit")]) == 0
     assert main(["build", str(out / "mlp.onnx"), *shapes, "-o", str(out / "mdir") + "/"]) == 0
     np.save(out / "x.npy", np.ones((2, 16), np.float32))
-    assert main(["run", str(out / "m.ekit"), "-i", f"x={out / 'x.npy'}", "-o", str(out / "y.npz")]) == 0
+    assert (
+        main(["run", str(out / "m.ekit"), "-i", f"x={out / 'x.npy'}", "-o", str(out / "y.npz")])
+        == 0
+    )
     assert main(["prepare", str(out / "mlp.onnx"), "-o", str(out / "prepared.onnx")]) == 0
     golden = ["--save-golden", str(out / "golden.npz")]
     assert main(["compare", str(out / "mlp.onnx"), "--backends", "onnxruntime", *golden]) == 0
