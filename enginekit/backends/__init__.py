@@ -6,7 +6,12 @@ A backend is a module (or any object) with:
 - ``available() -> Availability``: installed? which version, which devices, why not;
 - ``build(model, config, workdir) -> BuildResult``: writes payload files into ``workdir``;
 - ``load(artifact, device) -> Engine``: fast, no compilation;
-- optionally ``supported_ops() -> list[str]`` and ``inspect(artifact) -> dict``.
+- optionally ``supported_ops() -> list[str]`` and ``inspect(artifact) -> dict``;
+- optionally ``PRECISIONS`` (what it builds; default fp32) and ``DEVICE_PRECISIONS``
+  (``{"cpu": ("fp32", "int8")}``: fewer on some device kinds);
+- optionally ``PACKAGES``: the distributions its heavy dependency comes in (the first gives
+  the version). ``enginekit backends`` then answers from their metadata without importing them
+  (:func:`quick_availability`); ``--check`` imports and probes.
 
 :func:`load` opens an artifact with the backend its manifest names: ``enginekit.load``.
 
@@ -57,6 +62,7 @@ class Availability:
     version: str | None = None
     devices: tuple[str, ...] = ()
     reason: str = ""
+    probed: bool = True  # False: from package metadata, nothing imported (devices unknown)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -65,6 +71,7 @@ class Availability:
             "version": self.version,
             "devices": list(self.devices),
             "reason": self.reason,
+            "probed": self.probed,
         }
 
 
@@ -154,6 +161,35 @@ def availability(name: str) -> Availability:
         raise
     except Exception as exc:  # a broken install must not break `enginekit backends`
         return Availability(name, False, reason=f"{type(exc).__name__}: {exc}")
+
+
+def quick_availability(name: str) -> Availability:
+    """Availability without importing the framework, where the backend names its ``PACKAGES``
+    and they are all installed (devices unknown: ``probed`` is False); else :func:`availability`."""
+    packages = tuple(getattr(get(name), "PACKAGES", ()))
+    if not packages:
+        return availability(name)
+    versions = []
+    for dist in packages:
+        try:
+            versions.append(importlib.metadata.version(dist))
+        except importlib.metadata.PackageNotFoundError:
+            return availability(name)  # missing: the backend's own reason (fast: nothing to load)
+    return Availability(
+        name,
+        True,
+        versions[0],
+        reason="installed (not imported; `enginekit backends --check` probes its devices)",
+        probed=False,
+    )
+
+
+def precisions(backend: Backend, device: str = "cpu") -> tuple[str, ...]:
+    """The precisions ``backend`` builds for ``device`` (its ``DEVICE_PRECISIONS`` entry for
+    the device kind, else its ``PRECISIONS``, else fp32)."""
+    listed = tuple(getattr(backend, "PRECISIONS", ("fp32",)))
+    by_device = getattr(backend, "DEVICE_PRECISIONS", {})
+    return tuple(by_device.get(device.split(":")[0], listed))
 
 
 def require(name: str, device: str = "cpu") -> Backend:

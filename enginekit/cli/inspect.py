@@ -141,9 +141,20 @@ def _profiles_text(profiles: list[dict[str, Any]]) -> str:
 
 def add_backends(sub: Any) -> None:
     """Register ``enginekit backends``."""
-    p = sub.add_parser("backends", help="list backends: installed, versions, devices, why not")
+    p = sub.add_parser(
+        "backends",
+        help="list backends: installed, versions, devices, why not",
+        description="Fast by default: a backend that names its packages is answered from their "
+        "metadata, without importing its framework; --check imports each one and probes its "
+        "devices.",
+    )
     p.add_argument("--json", action="store_true")
-    p.add_argument("--ops", action="store_true", help="also list each backend's supported ONNX ops")
+    p.add_argument(
+        "--check", action="store_true", help="import every framework and probe its devices"
+    )
+    p.add_argument(
+        "--ops", action="store_true", help="also list each backend's supported ONNX ops (imports)"
+    )
     p.set_defaults(func=cmd_backends)
 
 
@@ -151,23 +162,31 @@ def cmd_backends(args: argparse.Namespace) -> int:
     """One line per registered backend: version, devices and precisions, or why not."""
     from enginekit import backends
 
+    probe = args.check or args.ops
     rows = []
     for name in backends.names():
-        avail = backends.availability(name)
+        avail = backends.availability(name) if probe else backends.quick_availability(name)
         row = avail.to_json()
         module = backends.get(name)
         row["options"] = dict(getattr(module, "OPTIONS", {}))
-        row["precisions"] = list(getattr(module, "PRECISIONS", ("fp32",)))
+        kinds = [d.split(":")[0] for d in avail.devices] or ["cpu"]
+        offered = {p for kind in kinds for p in backends.precisions(module, kind)}
+        row["precisions"] = [p for p in backends.precisions(module, "any") if p in offered]
+        if not avail.probed:
+            row["precisions"] = list(getattr(module, "PRECISIONS", ("fp32",)))
         ops = getattr(module, "supported_ops", None)
-        if ops is not None:
+        if args.ops and ops is not None:
             row["supported_ops"] = ops()
         rows.append(row)
     lines = []
     for r in rows:
-        if r["available"]:
+        precs = f"precisions: {', '.join(r['precisions'])}"
+        if r["available"] and r["probed"]:
             lines.append(
-                f"{r['name']:<12} {r['version']:<14} devices: {', '.join(r['devices'])}; precisions: {', '.join(r['precisions'])}"
+                f"{r['name']:<12} {r['version']:<14} devices: {', '.join(r['devices'])}; {precs}"
             )
+        elif r["available"]:
+            lines.append(f"{r['name']:<12} {r['version']:<14} {precs}; {r['reason']}")
         else:
             lines.append(f"{r['name']:<12} {'unavailable':<14} {r['reason']}")
         if args.ops and r.get("supported_ops"):

@@ -84,7 +84,10 @@ def skip_reason(candidate: Candidate, device: str) -> str | None:
     kind = device.split(":")[0]
     if not any(d.split(":")[0] == kind for d in avail.devices):
         return f"no {device!r} device (it has: {', '.join(avail.devices) or 'none'})"
-    offered = tuple(getattr(registry.get(name), "PRECISIONS", ("fp32",)))
+    offered = registry.precisions(registry.get(name), device)
     if candidate.precision not in offered:
-        return f"precision {candidate.precision} not offered (it builds {', '.join(offered)})"
+        return (
+            f"precision {candidate.precision} not offered on {device} (it builds "
+            f"{', '.join(offered)} there)"
+        )
     return None

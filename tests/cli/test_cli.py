@@ -162,3 +162,29 @@ def test_typos_get_the_closest_name_and_the_subcommands_usage(mlp_path, tmp_path
         "prepare", str(mlp_path), "--outputs", "hidden_3", "-o", str(tmp_path / "p.onnx")
     )
     assert "its tensors: " in nothing_alike.stderr and "'relu'" in nothing_alike.stderr
+
+
+def test_backends_answers_from_package_metadata_without_importing_frameworks():
+    probe = "import sys, json; from enginekit.cli import main; main(['backends', '--json']); "
+    probe += "print(sorted(m for m in ('tvm', 'jax', 'tensorflow', 'torch') if m in sys.modules), file=sys.stderr)"
+    r = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=TESTS.parent
+    )
+    assert r.returncode == 0 and r.stderr.strip() == "[]", r.stderr
+    rows = {row["name"]: row for row in json.loads(r.stdout)}
+    assert rows["onnxruntime"]["probed"] and "cpu" in rows["onnxruntime"]["devices"]
+    for name in ("tvm", "xla"):  # installed here: a version from metadata, devices not probed
+        if rows[name]["available"]:
+            assert rows[name]["version"] and rows[name]["probed"] is False
+
+
+def test_backends_check_probes_devices_and_lists_only_precisions_the_host_builds():
+    rows = {r["name"]: r for r in json.loads(cli("backends", "--check", "--json").stdout)}
+    assert all(r["probed"] for r in rows.values())
+    ort = rows["onnxruntime"]
+    if "cuda" not in ort["devices"]:  # ONNX Runtime's CPU provider has no bf16 kernels
+        assert "bf16" not in ort["precisions"] and "int8" in ort["precisions"]
+    assert (
+        "bf16" not in json.loads(cli("backends", "--json").stdout)[0]["precisions"]
+        or "cuda" in ort["devices"]
+    )

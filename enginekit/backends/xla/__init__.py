@@ -36,6 +36,8 @@ NAME = "xla"
 PROGRAM = "model.stablehlo"
 WEIGHTS = "weights.safetensors"
 PRECISIONS = ("fp32",)
+#: Distributions `enginekit backends` reads the version from without importing jax.
+PACKAGES = ("jax", "jaxlib", "safetensors")
 #: Layout used when the ``layout`` option is not given (measured: benchmarks/xla.py).
 DEFAULT_LAYOUT = "nhwc"
 
