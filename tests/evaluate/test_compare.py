@@ -165,7 +165,7 @@ def test_cli_compare_exit_codes_json_and_golden(mlp, built, tmp_path):
     assert "PASS" in saved.stdout and "gate: PASSED" in saved.stdout
 
     report = tmp_path / "r.json"
-    bad = run_cli("compare", "--engine", built["broken"], "--golden", golden, "--json", report)
+    bad = run_cli("compare", "--engine", built["broken"], "--golden", golden, "--json-file", report)
     assert bad.returncode == 3, bad.stderr
     assert "FAIL" in bad.stdout
     assert json.loads(report.read_text())["passed"] is False
