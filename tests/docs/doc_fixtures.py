@@ -203,8 +203,16 @@ def namespace() -> dict[str, Any]:
         def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
             return (self.embed(input_ids) * attention_mask[..., None]).sum(1)
 
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
     ns.update(
-        torch_model=torch.nn.Sequential(torch.nn.Linear(16, 4)).eval(),
+        torch_model=Net().eval(),
         example_x=torch.randn(1, 16),
         encoder=Encoder().eval(),
         ids=torch.randint(0, 30, (2, 5)),
