@@ -212,6 +212,30 @@ def write_artifact(
     return target
 
 
+def rebuild_command(manifest: Mapping[str, Any], output: str | None = None) -> str:
+    """The ``enginekit build`` command that rebuilds the same engine from its source model:
+    backend, every profile's ``--shapes``, precision, device and ``-O`` options."""
+    import shlex
+
+    config = manifest.get("config", {})
+    source = (manifest.get("source") or {}).get("path") or "<model.onnx>"
+    parts = ["enginekit", "build", source, "--backend", str(config.get("backend", "onnxruntime"))]
+    for profile in config.get("profiles", []):
+        specs = [
+            f"{name}:{','.join('x'.join(str(d) for d in s) for s in shapes)}"
+            for name, shapes in profile.items()
+        ]
+        if specs:
+            parts += ["--shapes", *specs]
+    parts += ["--precision", str(config.get("precision", "fp32"))]
+    if config.get("device", "cpu") != "cpu":
+        parts += ["--device", str(config["device"])]
+    for key, value in (config.get("options") or {}).items():
+        parts += ["-O", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    parts += ["-o", output or "<engine.ekit>"]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
 def build_key(
     model: Model, config: BuildConfig, backend_version: str | None, calibration: str | None = None
 ) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from enginekit import target
-from enginekit.artifact import Artifact, open_artifact
+from enginekit.artifact import Artifact, open_artifact, rebuild_command
 from enginekit.errors import (
     ArtifactError,
     BackendUnavailable,
@@ -245,8 +245,7 @@ def load(path: str | os.PathLike, device: str | None = None) -> Engine:
     if problems:
         raise ArtifactError(
             f"{path}: built for a host with {'; '.join(problems)}. Rebuild it on this host: "
-            f"enginekit build {manifest.get('source', {}).get('path') or '<model.onnx>'} "
-            f"--backend {name}"
+            f"{rebuild_command(manifest, str(path))}"
         )
     engine = be.load(artifact, str(device))
     engine.manifest = manifest
