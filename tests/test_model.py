@@ -189,7 +189,9 @@ def test_a_fixed_batch_with_a_batch_range_points_to_prepare_batch_dynamic():
 
     model = load_model(_two_inputs(batch=1))
     shapes = normalize_shapes("input_ids:1x8,4x8,8x8 attention_mask:1x8,4x8,8x8")
-    with pytest.raises(ek.BuildError, match="fixes it to 1.*enginekit prepare MODEL -o OUT.onnx --batch-dynamic"):
+    with pytest.raises(
+        ek.BuildError, match="fixes it to 1.*enginekit prepare MODEL -o OUT.onnx --batch-dynamic"
+    ):
         check_profiles(model, shapes)
     with pytest.raises(ek.BuildError, match="did you mean 'input_ids'"):
         check_profiles(model, normalize_shapes("input_id:1x8 attention_mask:1x8"))

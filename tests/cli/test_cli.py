@@ -188,3 +188,39 @@ def test_backends_check_probes_devices_and_lists_only_precisions_the_host_builds
         "bf16" not in json.loads(cli("backends", "--json").stdout)[0]["precisions"]
         or "cuda" in ort["devices"]
     )
+
+
+def test_inspect_says_what_an_artifact_really_holds(mlp_path, tmp_path):
+    (tmp_path / "empty.ekit").write_bytes(b"")
+    (tmp_path / "text.ekit").write_text("not an artifact")
+    for name in ("empty.ekit", "text.ekit"):
+        r = cli("inspect", str(tmp_path / name))
+        assert r.returncode == 1 and "not a valid .ekit file, truncated or corrupt" in r.stderr
+    np.savez(
+        tmp_path / "calib.npz",
+        x=np.random.default_rng(0).standard_normal((40, 16)).astype(np.float32),
+    )
+    out = tmp_path / "i8.ekit"
+    built = cli("build", str(mlp_path), "--shapes", "x:1x16,8x16,16x16", "--precision", "int8",
+                "--calib-data", str(tmp_path / "calib.npz"), "-o", str(out))  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    text = cli("inspect", str(out)).stdout
+    assert "simplify skipped (Q/DQ model)" in text and "simplify 1" not in text
+    assert "calibration entropy on" in text and "agreement  output: max abs" in text
+    backend = next(line for line in text.splitlines() if line.startswith("backend"))
+    assert "{" not in backend and "None" not in backend
+
+
+def test_inspect_lints_a_model_with_a_sequence_dim(tmp_path):
+    from onnx import TensorProto, helper, save
+
+    inputs = [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", "seq"]) for n in ("a", "b")
+    ]
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "seq"])
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["out"])], "g", inputs, [out])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    proto.ir_version = 8
+    save(proto, str(tmp_path / "enc.onnx"))
+    r = cli("inspect", str(tmp_path / "enc.onnx"))
+    assert r.returncode == 0 and "batch lint ok" in r.stdout and "shapes=" not in r.stdout

@@ -182,7 +182,12 @@ def test_cli_compare_exit_codes_json_and_golden(mlp, built, tmp_path):
 def test_inputs_of_the_wrong_rank_or_dtype_are_refused_like_engine_infer(mlp, tmp_path):
     np.save(tmp_path / "rank.npy", np.ones((2, 4, 16), np.float32))
     np.save(tmp_path / "f64.npy", np.ones((2, 16), np.float64))
-    for name, message in (("rank", "expected rank 2"), ("f64", "expected dtype float32, got float64")):
-        r = run_cli("compare", mlp, "--backends", "onnxruntime", "--input", f"x={tmp_path / name}.npy")
+    for name, message in (
+        ("rank", "expected rank 2"),
+        ("f64", "expected dtype float32, got float64"),
+    ):
+        r = run_cli(
+            "compare", mlp, "--backends", "onnxruntime", "--input", f"x={tmp_path / name}.npy"
+        )
         assert r.returncode == 1, r.stderr
         assert message in r.stderr and "Traceback" not in r.stderr
