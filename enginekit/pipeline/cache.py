@@ -105,6 +105,8 @@ class Cache:
         self.entries_dir = self.base / "entries"
         self.locks_dir = self.base / "locks"
         self.tmp_dir = self.base / "tmp"
+        #: keys whose cached artifact failed its checksums in :meth:`fetch` (evicted, a miss)
+        self.evicted: list[str] = []
 
     def _ensure(self) -> None:
         for d in (self.entries_dir, self.locks_dir, self.tmp_dir):
@@ -157,6 +159,7 @@ class Cache:
                     manifest = open_artifact(tmp).manifest
                 except ArtifactError:
                     self._evict(key)
+                    self.evicted.append(key)
                     raise _Corrupt from None
         except _Corrupt:
             return None

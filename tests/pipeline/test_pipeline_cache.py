@@ -53,6 +53,27 @@ def test_corrupt_entry_is_evicted_and_counts_as_a_miss(tmp_path, artifact):
     with cache.lock(KEYS[0]):
         assert cache.fetch(KEYS[0], tmp_path / "out.ekit") is None
     assert not path.exists() and not (tmp_path / "out.ekit").exists()
+    assert cache.evicted == [KEYS[0]]
+
+
+def test_a_corrupt_cache_entry_is_reported_as_corrupt_and_rebuilt(project):
+    path = project.write(
+        f'[model]\nsource = "mlp.onnx"\n{MLP_SHAPES}[[engine]]\nbackend = "onnxruntime"\n'
+        "[bench]\nenabled = false\n"
+    )
+    cache = project.root / "cache"
+    first = run(path, out=project.root / "d1", cache=cache)
+    (stored,) = Cache(cache).entries()
+    data = bytearray(stored.path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    stored.path.write_bytes(bytes(data))
+    second = run(path, out=project.root / "d2", cache=cache)
+    assert first["entries"][0]["cache"] == "miss"
+    assert second["entries"][0]["cache"] == "corrupt, rebuilt"
+    assert (
+        "cached artifact failed its checksums; rebuilt"
+        in (project.root / "d2" / "report.md").read_text()
+    )
 
 
 def test_prune_removes_least_recently_used_first_and_keeps_locked(tmp_path, artifact):
