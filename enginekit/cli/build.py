@@ -286,6 +286,12 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         "them; build-file warnings become errors",
     )
     g.add_argument("--no-bench", action="store_true", help="skip the throughput measurement")
+    g.add_argument(
+        "--rebench",
+        action="store_true",
+        help="measure cached entries again (default: reuse their bench result from an earlier "
+        "run with the same settings on this host)",
+    )
 
 
 #: The single-build flags at their defaults: any other value is a usage error with -c.
@@ -345,6 +351,7 @@ def _cmd_build_config(args: argparse.Namespace) -> int:
             jobs=args.jobs,
             strict=args.strict,
             bench=not args.no_bench,
+            rebench=args.rebench,
         )
     except ConfigError as exc:
         return config_errors(exc)

@@ -184,9 +184,25 @@ class Cache:
         _atomic_write_text(dest.with_suffix(".json"), json.dumps(info, indent=1), self.tmp_dir)
         return dest
 
+    def load_bench(self, key: str, signature: str) -> dict[str, Any] | None:
+        """The bench result stored for ``key`` under the same ``signature`` (settings, host,
+        enginekit version), or None."""
+        with contextlib.suppress(FileNotFoundError, ValueError, OSError):
+            data = json.loads(self.path(key).with_suffix(".bench.json").read_text("utf-8"))
+            if data.get("signature") == signature and isinstance(data.get("result"), dict):
+                return dict(data["result"])
+        return None
+
+    def store_bench(self, key: str, signature: str, result: dict[str, Any]) -> None:
+        """Keep ``result`` beside the artifact of ``key`` for the next run on this host."""
+        dest = self.path(key)
+        if dest.is_file():
+            text = json.dumps({"signature": signature, "result": result}, indent=1)
+            _atomic_write_text(dest.with_suffix(".bench.json"), text, self.tmp_dir)
+
     def _evict(self, key: str) -> None:
         path = self.path(key)
-        for p in (path, path.with_suffix(".json")):
+        for p in (path, path.with_suffix(".json"), path.with_suffix(".bench.json")):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
 

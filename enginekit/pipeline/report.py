@@ -313,7 +313,8 @@ def _bench_cell(bench: Mapping[str, Any] | None) -> str:
     rates = _throughputs(bench)
     if not rates:
         return "–"
-    return " / ".join(_rate(rates[b]) for b in sorted(rates))
+    text = " / ".join(_rate(rates[b]) for b in sorted(rates))
+    return text + " (reused)" if (bench or {}).get("reused") else text
 
 
 def _vs_baseline(entry: Mapping[str, Any]) -> str:
