@@ -399,5 +399,6 @@ def _accuracy_text(output: str, m: dict[str, Any]) -> str:
     return (
         f"built {output}: {m['backend']['name']} {m['backend']['version']}, {m['precision']} "
         f"({how}), {m['build']['build_s']:.2f} s\n"
-        f"verified against float32 on {v['data']} ({v['samples']} samples): {summarize(v)}"
+        f"verified against {v.get('reference') or 'float32'} on {v['data']} "
+        f"({v['samples']} samples): {summarize(v)}"
     )
