@@ -35,3 +35,34 @@ def step(label: str) -> Iterator[None]:
     if tty:
         sys.stderr.write(f"✓ {label} ({elapsed:.1f} s)\n")
     log.info("%s done in %.2f s", label, elapsed)
+
+
+@contextlib.contextmanager
+def native_output_captured(label: str) -> Iterator[None]:
+    """Hold what native libraries (TensorFlow's C++ logging, TVM's frontend) write to the
+    process's stderr during the block: dropped to the debug log when the block succeeds, written
+    back to stderr when it raises (so a failure keeps its context)."""
+    import tempfile
+
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no real fd 2 (an embedded interpreter): nothing to capture
+        yield
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode("utf-8", errors="replace")
+            if text and ok:
+                log.debug("%s: native output held back:\n%s", label, text.rstrip())
+            elif text:
+                sys.stderr.write(text)
