@@ -38,10 +38,11 @@ def step(label: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def native_output_captured(label: str) -> Iterator[None]:
-    """Hold what native libraries (TensorFlow's C++ logging, TVM's frontend) write to the
-    process's stderr during the block: dropped to the debug log when the block succeeds, written
-    back to stderr when it raises (so a failure keeps its context)."""
+def native_output_captured(label: str, show_on_error: bool = True) -> Iterator[None]:
+    """Hold what native libraries (TensorFlow's C++ logging, TVM's frontend) and Python code
+    under them write to stderr and stdout during the block: dropped to the debug log when the
+    block succeeds; when it raises, written back to stderr (``show_on_error``; so a failure keeps
+    its context) or to the debug log too (the caller's error says what happened)."""
     import tempfile
 
     sys.stderr.flush()
@@ -50,19 +51,23 @@ def native_output_captured(label: str) -> Iterator[None]:
     except OSError:  # no real fd 2 (an embedded interpreter): nothing to capture
         yield
         return
+    import io
+
+    printed = io.StringIO()
     with tempfile.TemporaryFile() as sink:
         os.dup2(sink.fileno(), 2)
         ok = False
         try:
-            yield
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                yield
             ok = True
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
             sink.seek(0)
-            text = sink.read().decode("utf-8", errors="replace")
-            if text and ok:
-                log.debug("%s: native output held back:\n%s", label, text.rstrip())
+            text = printed.getvalue() + sink.read().decode("utf-8", errors="replace")
+            if text and (ok or not show_on_error):
+                log.debug("%s: output held back:\n%s", label, text.rstrip())
             elif text:
                 sys.stderr.write(text)
