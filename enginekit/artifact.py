@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from enginekit import target
 from enginekit.errors import ArtifactError
+from enginekit.files import atomic_dir, atomic_write
 from enginekit.version import __version__
 
 if TYPE_CHECKING:
@@ -196,40 +197,43 @@ def write_artifact(
     manifest = dict(manifest)
     manifest["payload"] = payload_entries(workdir, files)
     text = json.dumps(manifest, indent=2, sort_keys=False)
-    target.parent.mkdir(parents=True, exist_ok=True)
     if as_dir:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
+        with atomic_dir(target) as tmp:
             for name in files:
                 dest = tmp / PAYLOAD / name
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(workdir / name, dest)
             (tmp / MANIFEST).write_text(text, encoding="utf-8")
-            if target.exists():
-                old = target.with_name(f".{target.name}.old-{os.getpid()}")
-                os.replace(target, old)
-                os.replace(tmp, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return target
-    fd, tmpname = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as z:
-            z.writestr(MANIFEST, text)
-            for name in files:
-                z.write(workdir / name, PAYLOAD + name)
-        with open(tmpname, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmpname, target)
-    except BaseException:
-        if os.path.exists(tmpname):
-            os.unlink(tmpname)
-        raise
+    with atomic_write(target) as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED) as z:
+        z.writestr(MANIFEST, text)
+        for name in files:
+            z.write(workdir / name, PAYLOAD + name)
     return target
+
+
+def rebuild_command(manifest: Mapping[str, Any], output: str | None = None) -> str:
+    """The ``enginekit build`` command that rebuilds the same engine from its source model:
+    backend, every profile's ``--shapes``, precision, device and ``-O`` options."""
+    import shlex
+
+    config = manifest.get("config", {})
+    source = (manifest.get("source") or {}).get("path") or "<model.onnx>"
+    parts = ["enginekit", "build", source, "--backend", str(config.get("backend", "onnxruntime"))]
+    for profile in config.get("profiles", []):
+        specs = [
+            f"{name}:{','.join('x'.join(str(d) for d in s) for s in shapes)}"
+            for name, shapes in profile.items()
+        ]
+        if specs:
+            parts += ["--shapes", *specs]
+    parts += ["--precision", str(config.get("precision", "fp32"))]
+    if config.get("device", "cpu") != "cpu":
+        parts += ["--device", str(config["device"])]
+    for key, value in (config.get("options") or {}).items():
+        parts += ["-O", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    parts += ["-o", output or "<engine.ekit>"]
+    return " ".join(shlex.quote(p) for p in parts)
 
 
 def build_key(

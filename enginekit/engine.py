@@ -304,9 +304,10 @@ class Engine:
         for p in self.profiles:
             if all(p[n].contains(feeds[n].shape) for n in self._names if n in p):
                 return None
-        if self._max_batch is not None and rows is not None and rows > self._max_batch:
-            if self._outputs_batched and self._fits_some_profile_ignoring_batch(feeds):
-                return rows
+        if self._max_batch is not None and rows is not None:
+            outside = rows > self._max_batch or rows < self._min_batch
+            if outside and self._outputs_batched and self._fits_some_profile_ignoring_batch(feeds):
+                return rows  # split into chunks of the largest batch; a small one is padded
         self._profile_error(feeds)
         return None  # unreachable: _profile_error raises
 

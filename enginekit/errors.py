@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class EnginekitError(Exception):
     """Base of every error enginekit raises on purpose."""
@@ -66,3 +69,22 @@ class BatcherClosed(BatcherError):
 class DatasetError(EnginekitError):
     """A dataset job cannot run: a source or output is unreadable, mismatched or already there,
     or a resume would mix results of another model or source."""
+
+
+class UnknownBackend(BackendUnavailable, UsageError):
+    """No backend of that name is registered: a typo, not a missing install (CLI exit code 2)."""
+
+
+def closest(name: str, choices: Iterable[str], n: int = 1) -> list[str]:
+    """The names in ``choices`` closest to ``name`` (a typo's likely intent), best first."""
+    pool = sorted(set(choices))
+    close = difflib.get_close_matches(name, pool, n=n)
+    if not close:  # a prefix or a case slip that difflib's ratio misses: 'onnx', 'TVM'
+        close = [c for c in pool if c.lower().startswith(name.lower()) and name][:n]
+    return close
+
+
+def did_you_mean(name: str, choices: Iterable[str], n: int = 1) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``choices``, or ``""`` when none is close."""
+    close = closest(name, choices, n)
+    return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""

@@ -15,7 +15,7 @@ import onnx
 
 from enginekit.config import ShapeProfile
 from enginekit.engine import TensorSpec
-from enginekit.errors import BuildError, ModelError
+from enginekit.errors import BuildError, ModelError, did_you_mean
 from enginekit.quiet import ort_severity, quiet_onnxruntime
 
 log = logging.getLogger(__name__)
@@ -251,6 +251,26 @@ def reference_session(model: Model, threads: int = 0) -> Any:
         raise ModelError(f"ONNX Runtime cannot load the model: {exc}") from None
 
 
+def _check_shared_dims(
+    index: int, profile: dict[str, ShapeProfile], specs: dict[str, TensorSpec]
+) -> None:
+    """A symbolic dim the model shares between inputs (``seq`` of input_ids and attention_mask)
+    is one size at run time, so its range must be the same in every input of the profile."""
+    uses: dict[str, list[tuple[str, int, tuple[int, int, int]]]] = {}
+    for name, prof in profile.items():
+        for axis, d in enumerate(specs[name].shape):
+            if isinstance(d, str) and axis < len(prof.min):
+                rng = (prof.min[axis], prof.opt[axis], prof.max[axis])
+                uses.setdefault(d, []).append((name, axis, rng))
+    for dim, found in uses.items():
+        if len({r for _, _, r in found}) > 1:
+            given = "; ".join(f"{n} dim {a}: {lo},{opt},{hi}" for n, a, (lo, opt, hi) in found)
+            raise BuildError(
+                f"profile {index}: inputs share the dim {dim!r} but their shapes give it different "
+                f"ranges ({given}); give every input the same min, opt and max for {dim!r}"
+            )
+
+
 def check_profiles(model: Model, profiles: tuple[dict[str, ShapeProfile], ...]) -> None:
     """Every profile names real inputs, with their rank and fixed dims, and all profiles cover
     the same inputs.
@@ -264,8 +284,8 @@ def check_profiles(model: Model, profiles: tuple[dict[str, ShapeProfile], ...]) 
         for name, prof in p.items():
             if name not in specs:
                 raise BuildError(
-                    f"shapes name input {name!r}, which the model does not have (inputs: "
-                    f"{', '.join(specs)})"
+                    f"shapes name input {name!r}, which the model does not have"
+                    f"{did_you_mean(name, specs)} (inputs: {', '.join(specs)})"
                 )
             spec = specs[name]
             if len(prof.min) != len(spec.shape):
@@ -275,10 +295,18 @@ def check_profiles(model: Model, profiles: tuple[dict[str, ShapeProfile], ...]) 
                 )
             for axis, d in enumerate(spec.shape):
                 if isinstance(d, int) and not prof.min[axis] == prof.max[axis] == d:
+                    hint = (
+                        "; make the batch dim symbolic first: enginekit prepare MODEL -o "
+                        "OUT.onnx --batch-dynamic (or passes.make_batch_dynamic), or give "
+                        f"{name} dim 0 as {d} in every shape"
+                        if axis == 0
+                        else f"; give {d} for that dim in every shape"
+                    )
                     raise BuildError(
                         f"shapes for {name!r} dim {axis}: the model fixes it to {d}, the "
-                        f"profile gives {prof.min[axis]}..{prof.max[axis]}"
+                        f"profile gives {prof.min[axis]}..{prof.max[axis]}{hint}"
                     )
+        _check_shared_dims(i, p, specs)
         if covered is not None and set(p) != covered:
             raise BuildError(
                 f"profile {i} covers inputs {sorted(p)}, profile 0 covers {sorted(covered)}; "

@@ -138,8 +138,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: Any, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``python -m enginekit.cli ARGS`` on this checkout's enginekit; text output captured."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ENGINEKIT_QUIET": "1"}
+    """``python -m enginekit.cli ARGS`` on this checkout's enginekit; text output captured.
+
+    tests/plugins is on the path: the never-available backend ``absent`` is registered."""
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "plugins")])
+    env = {**os.environ, "PYTHONPATH": path, "ENGINEKIT_QUIET": "1"}
     return subprocess.run(
         [sys.executable, "-m", "enginekit.cli", *map(str, args)],
         capture_output=True,

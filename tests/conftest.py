@@ -67,3 +67,17 @@ def ekit(onnx_model, tmp_path_factory):
         return built[name]
 
     return get
+
+
+#: A folder registering the never-available backend ``absent`` (through an entry point).
+PLUGINS = Path(__file__).parent / "plugins"
+
+
+@pytest.fixture
+def absent_backend(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Registers the backend ``absent`` (never available) in this process; returns its name."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    from enginekit import backends
+
+    assert "absent" in backends.names()
+    return "absent"

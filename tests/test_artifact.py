@@ -149,3 +149,17 @@ def test_rebuild_replaces_artifact_atomically(onnx_model, tmp_path):
     ek.build(onnx_model("mlp"), shapes=CASES["mlp"].shapes, output=out).close()
     assert ek.load(out).manifest["profiles"] and first
     assert [p.name for p in tmp_path.iterdir()] == ["m.ekit"]
+
+
+def test_the_rebuild_hint_is_the_full_command_that_makes_the_same_engine(built, tmp_path):
+    def exotic(m):
+        m["target"]["requires"] = ["amx_fp64_from_the_future"]
+        m["config"]["options"] = {"intra_op_threads": 1}
+
+    with pytest.raises(ek.ArtifactError) as info:
+        ek.load(rewrite(built, tmp_path / "exotic.ekit", change_manifest=exotic))
+    hint = str(info.value).split("Rebuild it on this host: ")[1]
+    config = ek.load(built).manifest["config"]
+    shapes = ",".join("x".join(map(str, s)) for s in config["profiles"][0]["x"])
+    assert f"--backend onnxruntime --shapes x:{shapes} --precision fp32" in hint
+    assert "-O intra_op_threads=1" in hint and hint.endswith(f"-o {tmp_path / 'exotic.ekit'}")

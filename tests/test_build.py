@@ -49,9 +49,18 @@ def test_unknown_backend_option_lists_known_ones(mlp_path):
         ek.build(mlp_path, layout="NHWC")
 
 
+def test_a_typod_backend_option_gets_the_closest_name(mlp_path):
+    with pytest.raises(
+        ek.BuildError, match="'optimizaton_level'; did you mean 'optimization_level'"
+    ):
+        ek.build(mlp_path, optimizaton_level="all")
+
+
 def test_unknown_backend_and_missing_device(mlp_path):
-    with pytest.raises(ek.BackendUnavailable, match="no backend named 'nope'"):
-        ek.build(mlp_path, backend="nope")
+    with pytest.raises(
+        ek.UsageError, match="no backend named 'onnxruntim'; did you mean 'onnxruntime'"
+    ):
+        ek.build(mlp_path, backend="onnxruntim")
     if "cuda" not in backends.availability("onnxruntime").devices:
         with pytest.raises(ek.BackendUnavailable, match="no 'cuda' device"):
             ek.build(mlp_path, device="cuda")

@@ -78,6 +78,9 @@ def test_batch_below_profile_min_is_padded_and_trimmed(onnx_model):
     got = engine.infer(x(11))["output"]  # 8 + 3 rows: the 3-row chunk is padded to 4
     np.testing.assert_allclose(got, reference(path, {"x": x(11)})["output"], atol=1e-5)
     assert got.shape == (11, 4)
+    small = engine.infer(x(1))["output"]  # a whole batch below the minimum: padded the same way
+    np.testing.assert_allclose(small, reference(path, {"x": x(1)})["output"], atol=1e-5)
+    assert small.shape == (1, 4)
 
 
 def test_infer_splits_batch_larger_than_profile(mlp, mlp_path):

@@ -152,3 +152,46 @@ def test_missing_or_garbage_model_files(tmp_path):
     (tmp_path / "m.onnx.data").unlink()
     with pytest.raises(ek.ModelError, match="external data file 'm.onnx.data' is missing"):
         ek.load_model(tmp_path / "m.onnx")
+
+
+def _two_inputs(batch="batch"):
+    from onnx import TensorProto, helper
+
+    inputs = [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, [batch, "seq"])
+        for n in ("input_ids", "attention_mask")
+    ]
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, [batch, "seq"])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["input_ids", "attention_mask"], ["out"])], "g", inputs, [out]
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    proto.ir_version = 8
+    return proto
+
+
+def test_a_shared_symbolic_dim_with_different_ranges_is_refused_naming_the_dim():
+    import enginekit as ek
+    from enginekit.config import normalize_shapes
+    from enginekit.model import check_profiles, load_model
+
+    model = load_model(_two_inputs())
+    bad = normalize_shapes("input_ids:1x8,4x32,8x64 attention_mask:1x8,4x16,8x64")
+    with pytest.raises(ek.BuildError, match="share the dim 'seq'.*input_ids dim 1: 8,32,64"):
+        check_profiles(model, bad)
+    check_profiles(model, normalize_shapes("input_ids:1x8,4x32,8x64 attention_mask:1x8,4x32,8x64"))
+
+
+def test_a_fixed_batch_with_a_batch_range_points_to_prepare_batch_dynamic():
+    import enginekit as ek
+    from enginekit.config import normalize_shapes
+    from enginekit.model import check_profiles, load_model
+
+    model = load_model(_two_inputs(batch=1))
+    shapes = normalize_shapes("input_ids:1x8,4x8,8x8 attention_mask:1x8,4x8,8x8")
+    with pytest.raises(
+        ek.BuildError, match="fixes it to 1.*enginekit prepare MODEL -o OUT.onnx --batch-dynamic"
+    ):
+        check_profiles(model, shapes)
+    with pytest.raises(ek.BuildError, match="did you mean 'input_ids'"):
+        check_profiles(model, normalize_shapes("input_id:1x8 attention_mask:1x8"))

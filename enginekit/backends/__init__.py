@@ -6,7 +6,12 @@ A backend is a module (or any object) with:
 - ``available() -> Availability``: installed? which version, which devices, why not;
 - ``build(model, config, workdir) -> BuildResult``: writes payload files into ``workdir``;
 - ``load(artifact, device) -> Engine``: fast, no compilation;
-- optionally ``supported_ops() -> list[str]`` and ``inspect(artifact) -> dict``.
+- optionally ``supported_ops() -> list[str]`` and ``inspect(artifact) -> dict``;
+- optionally ``PRECISIONS`` (what it builds; default fp32) and ``DEVICE_PRECISIONS``
+  (``{"cpu": ("fp32", "int8")}``: fewer on some device kinds);
+- optionally ``PACKAGES``: the distributions its heavy dependency comes in (the first gives
+  the version). ``enginekit backends`` then answers from their metadata without importing them
+  (:func:`quick_availability`); ``--check`` imports and probes.
 
 :func:`load` opens an artifact with the backend its manifest names: ``enginekit.load``.
 
@@ -26,8 +31,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from enginekit import target
-from enginekit.artifact import Artifact, open_artifact
-from enginekit.errors import ArtifactError, BackendUnavailable, BuildError
+from enginekit.artifact import Artifact, open_artifact, rebuild_command
+from enginekit.errors import (
+    ArtifactError,
+    BackendUnavailable,
+    BuildError,
+    UnknownBackend,
+    did_you_mean,
+)
 from enginekit.quiet import native_stderr
 
 if TYPE_CHECKING:
@@ -52,6 +63,7 @@ class Availability:
     version: str | None = None
     devices: tuple[str, ...] = ()
     reason: str = ""
+    probed: bool = True  # False: from package metadata, nothing imported (devices unknown)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -60,6 +72,7 @@ class Availability:
             "version": self.version,
             "devices": list(self.devices),
             "reason": self.reason,
+            "probed": self.probed,
         }
 
 
@@ -109,7 +122,8 @@ def get(name: str) -> Backend:
     """The backend registered as ``name`` (imports its module, not its heavy dependency).
 
     Raises:
-        BackendUnavailable: no backend of that name is registered.
+        UnknownBackend: no backend of that name is registered (a usage error, with the closest
+            registered name).
     """
     if name in _loaded:
         return _loaded[name]
@@ -118,12 +132,26 @@ def get(name: str) -> Backend:
     else:
         eps = _entry_points()
         if name not in eps:
-            raise BackendUnavailable(f"no backend named {name!r}; registered: {', '.join(names())}")
+            check_name(name)
         backend = eps[name].load()
         if isinstance(backend, str):
             backend = importlib.import_module(backend)
     _loaded[name] = backend
     return backend
+
+
+def check_name(name: str) -> None:
+    """Refuse a name no backend is registered under, suggesting the closest one.
+
+    Raises:
+        UnknownBackend: ``name`` is not registered (a typo or a plugin not installed).
+    """
+    registered = names()
+    if name not in registered:
+        raise UnknownBackend(
+            f"no backend named {name!r}{did_you_mean(name, registered)} (registered: "
+            f"{', '.join(registered)}; `enginekit backends` lists them)"
+        )
 
 
 def availability(name: str) -> Availability:
@@ -134,6 +162,35 @@ def availability(name: str) -> Availability:
         raise
     except Exception as exc:  # a broken install must not break `enginekit backends`
         return Availability(name, False, reason=f"{type(exc).__name__}: {exc}")
+
+
+def quick_availability(name: str) -> Availability:
+    """Availability without importing the framework, where the backend names its ``PACKAGES``
+    and they are all installed (devices unknown: ``probed`` is False); else :func:`availability`."""
+    packages = tuple(getattr(get(name), "PACKAGES", ()))
+    if not packages:
+        return availability(name)
+    versions = []
+    for dist in packages:
+        try:
+            versions.append(importlib.metadata.version(dist))
+        except importlib.metadata.PackageNotFoundError:
+            return availability(name)  # missing: the backend's own reason (fast: nothing to load)
+    return Availability(
+        name,
+        True,
+        versions[0],
+        reason="installed (not imported; `enginekit backends --check` probes its devices)",
+        probed=False,
+    )
+
+
+def precisions(backend: Backend, device: str = "cpu") -> tuple[str, ...]:
+    """The precisions ``backend`` builds for ``device`` (its ``DEVICE_PRECISIONS`` entry for
+    the device kind, else its ``PRECISIONS``, else fp32)."""
+    listed = tuple(getattr(backend, "PRECISIONS", ("fp32",)))
+    by_device = getattr(backend, "DEVICE_PRECISIONS", {})
+    return tuple(by_device.get(device.split(":")[0], listed))
 
 
 def require(name: str, device: str = "cpu") -> Backend:
@@ -161,9 +218,10 @@ def check_options(backend: Backend, options: Mapping[str, Any]) -> None:
     unknown = [k for k in options if k not in known]
     if unknown:
         listing = ", ".join(sorted(known)) or "none"
+        hints = "".join(did_you_mean(k, known) for k in unknown)
         raise BuildError(
-            f"backend {backend.NAME!r} has no option(s) {', '.join(map(repr, unknown))}; "
-            f"its options: {listing}"
+            f"backend {backend.NAME!r} has no option(s) {', '.join(map(repr, unknown))}{hints} "
+            f"(its options: {listing})"
         )
 
 
@@ -188,8 +246,7 @@ def load(path: str | os.PathLike, device: str | None = None) -> Engine:
     if problems:
         raise ArtifactError(
             f"{path}: built for a host with {'; '.join(problems)}. Rebuild it on this host: "
-            f"enginekit build {manifest.get('source', {}).get('path') or '<model.onnx>'} "
-            f"--backend {name}"
+            f"{rebuild_command(manifest, str(path))}"
         )
     with native_stderr(f"loading {path} on {name}"):
         engine = be.load(artifact, str(device))

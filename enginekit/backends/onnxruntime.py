@@ -34,6 +34,7 @@ PAYLOAD = "model.onnx"
 #: builds from the Q/DQ model enginekit writes; fp16/bf16 from a converted model; bf16 needs
 #: CUDA (ONNX Runtime's CPU provider has no bf16 kernels).
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+DEVICE_PRECISIONS = {"cpu": ("fp32", "fp16", "int8")}
 
 OPTIONS = {
     "optimization_level": "graph optimizations applied at build time: disable, basic, extended, "

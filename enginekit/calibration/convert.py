@@ -169,3 +169,78 @@ def _bf16_tensor(t: onnx.TensorProto) -> onnx.TensorProto:
     bits = a.astype(ml_dtypes.bfloat16).view(np.uint16)
     out = helper.make_tensor(t.name, TensorProto.BFLOAT16, a.shape, bits.tobytes(), raw=True)
     return out
+
+
+def strip_qdq(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+    """The float graph of a Q/DQ (quantization-aware) model: every QuantizeLinear ->
+    DequantizeLinear pair on an activation removed, every DequantizeLinear of a constant weight
+    folded into the float weight it stands for. None when that cannot be derived (a Q/DQ node
+    used another way: a QuantizeLinear output that feeds something else, a DequantizeLinear of a
+    computed tensor).
+    """
+    from onnx import numpy_helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    graph = out.graph
+    inits = {t.name: t for t in graph.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    alias: dict[str, str] = {}  # tensor name -> the float tensor it equals
+    folded: list[onnx.TensorProto] = []
+    drop: set[int] = set()
+    producers = {o: n for n in graph.node for o in n.output}
+    for n in graph.node:
+        if n.op_type == "QuantizeLinear":
+            users = consumers.get(n.output[0], [])
+            if not users or any(u.op_type != "DequantizeLinear" for u in users):
+                return None
+            drop.add(id(n))
+            for u in users:
+                drop.add(id(u))
+                alias[u.output[0]] = n.input[0]
+        elif n.op_type == "DequantizeLinear" and id(n) not in drop:
+            if n.input[0] in producers or n.input[0] not in inits:
+                return None  # dequantizes a computed tensor: no float original to recover
+            q = numpy_helper.to_array(inits[n.input[0]]).astype(np.float32)
+            scale = numpy_helper.to_array(inits[n.input[1]]).astype(np.float32)
+            zero = (
+                numpy_helper.to_array(inits[n.input[2]]).astype(np.float32)
+                if len(n.input) > 2 and n.input[2]
+                else np.zeros_like(scale)
+            )
+            axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
+            if scale.ndim == 1 and q.ndim > 1:
+                shape = [1] * q.ndim
+                shape[axis] = -1
+                scale, zero = scale.reshape(shape), zero.reshape(shape)
+            folded.append(numpy_helper.from_array((q - zero) * scale, n.output[0]))
+            drop.add(id(n))
+
+    def resolve(name: str) -> str:
+        while name in alias:
+            name = alias[name]
+        return name
+
+    kept = [n for n in graph.node if id(n) not in drop]
+    for n in kept:
+        for i, name in enumerate(n.input):
+            n.input[i] = resolve(name)
+    outputs = {o.name for o in graph.output}
+    for o in list(graph.output):
+        real = resolve(o.name)
+        if real != o.name:  # a graph output that was a DQ: keep its name through an Identity
+            kept.append(onnx.helper.make_node("Identity", [real], [o.name]))
+    del graph.node[:]
+    graph.node.extend(kept)
+    used = {i for n in kept for i in n.input} | outputs
+    remaining = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(remaining + folded)
+    try:
+        onnx.checker.check_model(out)
+    except onnx.checker.ValidationError:
+        return None
+    return out

@@ -60,9 +60,39 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _unrecognized(p: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> None:
+    """Exit with the usage of the (sub)command the unknown arguments were given to, and the
+    closest flag it has for each of them (``--backnd`` -> ``--backend``)."""
+    from enginekit.errors import closest
+
+    command = p
+    while command._subparsers is not None:
+        action = next(
+            a
+            for a in command._subparsers._group_actions
+            if isinstance(a, argparse._SubParsersAction)
+        )
+        chosen = getattr(args, action.dest or "", None)
+        if chosen not in action.choices:
+            break
+        command = action.choices[chosen]
+    flags = [o for o in command._option_string_actions if o.startswith("--")]
+    hints = []
+    for extra in extras:
+        if extra.startswith("-"):
+            close = closest(extra.split("=")[0], flags)
+            if close:
+                hints.append(f"{extra.split('=')[0]}: did you mean {close[0]}?")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``enginekit`` console script; returns the exit code."""
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extras = p.parse_known_args(argv)
+    if extras:
+        _unrecognized(p, args, extras)
     level = (
         logging.WARNING
         if args.verbose == 0

@@ -107,8 +107,6 @@ def cmd_build(args: argparse.Namespace) -> int:
     options.update(_tvm_options(args))
     if _auto_requested(args) and (args.no_simplify or args.outputs):
         raise UsageError("--no-simplify and --outputs apply to one backend; name it, not auto")
-    if _auto_requested(args) and _calibration_requested(args):
-        raise UsageError("the int8 calibration flags apply to one backend; name it, not auto")
     if _auto_requested(args):
         return _cmd_build_auto(args, options)
     from enginekit.build import build
@@ -279,6 +277,7 @@ def _cmd_build_auto(args: argparse.Namespace, options: dict[str, Any]) -> int:
         rtol=args.rtol,
         rule=args.rule,
         min_cosine=args.min_cosine,
+        **_calibration_kwargs(args),
         **extra,
         **options,
     )
@@ -325,6 +324,12 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         "them; build-file warnings become errors",
     )
     g.add_argument("--no-bench", action="store_true", help="skip the throughput measurement")
+    g.add_argument(
+        "--rebench",
+        action="store_true",
+        help="measure cached entries again (default: reuse their bench result from an earlier "
+        "run with the same settings on this host)",
+    )
 
 
 #: The single-build flags at their defaults: any other value is a usage error with -c.
@@ -386,6 +391,7 @@ def _cmd_build_config(args: argparse.Namespace) -> int:
             jobs=args.jobs,
             strict=args.strict,
             bench=not args.no_bench,
+            rebench=args.rebench,
         )
     except ConfigError as exc:
         return config_errors(exc)
@@ -423,11 +429,6 @@ def _calibration_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def _calibration_requested(args: argparse.Namespace) -> bool:
-    kwargs = _calibration_kwargs(args)
-    return any(kwargs[k] not in (None, False) for k in kwargs if k != "calib_method")
-
-
 def _accuracy_text(output: str, m: dict[str, Any]) -> str:
     from enginekit.calibration.accuracy import summarize
 
@@ -437,5 +438,6 @@ def _accuracy_text(output: str, m: dict[str, Any]) -> str:
     return (
         f"built {output}: {m['backend']['name']} {m['backend']['version']}, {m['precision']} "
         f"({how}), {m['build']['build_s']:.2f} s\n"
-        f"verified against float32 on {v['data']} ({v['samples']} samples): {summarize(v)}"
+        f"verified against {v.get('reference') or 'float32'} on {v['data']} "
+        f"({v['samples']} samples): {summarize(v)}"
     )

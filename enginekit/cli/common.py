@@ -31,42 +31,26 @@ def emit(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, indent=2, default=str) if args.json else text)
 
 
-#: ``--json`` without a path (or ``--json -``): the report goes to stdout.
-STDOUT = "-"
-
-
 def add_json_report(p: argparse.ArgumentParser) -> None:
-    """``--json [PATH]``: the report to stdout instead of the table, or to PATH beside it."""
+    """``--json`` (the report to stdout instead of the table) and ``--json-file PATH`` (the
+    report written there, the table still printed): a flag never takes the next word."""
     p.add_argument(
-        "--json",
-        nargs="?",
-        const=STDOUT,
-        default=None,
+        "--json", action="store_true", help="print the JSON report to stdout instead of the table"
+    )
+    p.add_argument(
+        "--json-file",
         metavar="PATH",
-        help="JSON report: alone (or '-') print it to stdout instead of the table; with PATH "
-        "write it there and print the table",
+        help="write the JSON report to PATH (the table is still printed)",
     )
 
 
-def check_json_path(args: argparse.Namespace) -> None:
-    """Refuse a ``--json`` path that is really the positional model or engine it swallowed."""
-    if args.json not in (None, STDOUT) and Path(args.json).suffix in (".ekit", ".onnx"):
-        raise UsageError(
-            f"--json {args.json!r} looks like a model or engine, not a report path; put --json "
-            "after the positional arguments or give it a .json path"
-        )
-
-
 def report(args: argparse.Namespace, data: Any, text: str) -> None:
-    """Print the table, or the JSON report (``--json``), or both (``--json PATH``)."""
-    if args.json == STDOUT:
-        print(json.dumps(data, indent=2))
-        return
-    if args.json is not None:
-        with atomic_write(args.json, "w") as f:
+    """Print the table, or the JSON report (``--json``); ``--json-file PATH`` also writes it."""
+    if args.json_file is not None:
+        with atomic_write(args.json_file, "w") as f:
             json.dump(data, f, indent=2)
             f.write("\n")
-    print(text)
+    print(json.dumps(data, indent=2) if args.json else text)
 
 
 def github() -> bool:

@@ -1,10 +1,8 @@
 """``enginekit compare`` (the same inputs through backends and a reference, every output checked)
 and ``enginekit bench`` (latency and throughput per batch size).
 
-In these commands ``--json`` takes an optional path: ``--json`` alone prints the JSON report to
-stdout (instead of the table); ``--json FILE`` writes it to FILE and still prints the table. Put
-``--json`` after the positional arguments (or write ``--json -``), since a bare word after it is
-taken as its path.
+In these commands ``--json`` prints the JSON report to stdout (instead of the table) and
+``--json-file FILE`` writes it to FILE (the table is still printed).
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from enginekit.cli.common import (
     add_inputs,
     add_json_report,
     add_shapes,
-    check_json_path,
     ints,
     load_inputs,
     names,
@@ -100,7 +97,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """``enginekit compare``: exit 0 passed, 3 failed, 1 nothing compared."""
     from enginekit.evaluate.compare import compare
 
-    check_json_path(args)
     if args.golden and args.save_golden:
         raise UsageError("--golden and --save-golden together would only copy the file")
     if args.golden and args.input:
@@ -180,6 +176,12 @@ def add_bench(sub: Any) -> None:
         default=0.10,
         help="round spread that flags a result unstable",
     )
+    p.add_argument(
+        "--no-stabilize",
+        action="store_true",
+        help="do not re-measure unstable results (by default they get more rounds until their "
+        "last --rounds agree, within the planned time again)",
+    )
     add_inputs(p, "inputs to tile to each batch size instead of random ones")
     p.add_argument(
         "--label",
@@ -199,7 +201,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from enginekit.evaluate.bench import bench_many, check_settings, plot
     from enginekit.evaluate.report import bench_table
 
-    check_json_path(args)
     duration = args.duration if args.duration is not None or args.runs is not None else 1.0
     sizes = ints(args.batch_sizes, "--batch-sizes") if args.batch_sizes is not None else None
     check_settings(sizes, duration, args.runs, args.warmup, args.rounds)
@@ -217,6 +218,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             data=load_inputs(args.input) if args.input else None,
             labels=args.label or [Path(p).name for p in args.engines],
             unstable_spread=args.unstable_spread,
+            stabilize=not args.no_stabilize,
         )
     finally:
         for e in engines:

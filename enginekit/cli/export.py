@@ -96,6 +96,44 @@ def resolve(spec: str) -> Any:
     return obj
 
 
+def _exportable(obj: Any) -> bool:
+    from enginekit.export import exporters
+
+    return isinstance(obj, (str, os.PathLike)) or any(m.accepts(obj) for m in exporters().values())
+
+
+def _torch_example(model: Any, feeds: dict[str, Any] | None, given: Any, spec: str) -> Any:
+    """The example inputs of a PyTorch model: ``-i NAME=FILE`` by forward() argument name."""
+    import inspect as pyinspect
+
+    import torch
+
+    params = [
+        p.name
+        for p in pyinspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if feeds is None:
+        if given is None:
+            raise UsageError(
+                f"{spec} is a PyTorch model: give example inputs with -i NAME=FILE.npy for each "
+                f"forward() argument ({', '.join(params) or 'none'}), or return "
+                "(model, example_inputs) from the entry function"
+            )
+        return given
+    unknown = [n for n in feeds if n not in params]
+    if unknown:
+        from enginekit.errors import did_you_mean
+
+        hints = "".join(did_you_mean(n, params) for n in unknown)
+        raise UsageError(
+            f"-i {', '.join(unknown)}: forward() of {spec} takes no argument of that name{hints} "
+            f"(it takes: {', '.join(params)})"
+        )
+    ordered = [n for n in params if n in feeds]
+    return tuple(torch.from_numpy(feeds[n]) for n in ordered)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """Export, check against the framework, and print the ONNX model's interface."""
     from enginekit.export import export
@@ -103,12 +141,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from enginekit.model import load_model
 
     model = resolve(args.model)
+    entry_example: Any = None
+    if isinstance(model, tuple) and len(model) == 2 and _exportable(model[0]):
+        model, entry_example = model  # an entry returning (model, example_inputs)
     feeds = load_inputs(args.input) if args.input else None
-    example: Any = feeds
-    if feeds is not None and torch_export.accepts(model):
-        import torch
-
-        example = tuple(torch.from_numpy(a) for a in feeds.values())
+    example: Any = feeds if feeds is not None else entry_example
+    if torch_export.accepts(model):
+        example = _torch_example(model, feeds, entry_example, args.model)
     options: dict[str, Any] = {
         "dynamic_batch": not args.static_batch,
         "dynamic_dims": parse_dynamic(args.dynamic) or None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from enginekit.cli.common import EXIT_OK, add_json_report, check_json_path, names, report
+from enginekit.cli.common import EXIT_OK, add_json_report, names, report
 from enginekit.errors import UsageError
 
 
@@ -126,10 +126,9 @@ def _preprocess(args: argparse.Namespace, artifact: str) -> Any:
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
-    """Run the dataset; print (or write, with --json) the summary."""
+    """Run the dataset; print the summary (as JSON with --json, to a file with --json-file)."""
     from enginekit.dataset import infer_dataset
 
-    check_json_path(args)
     columns = {}
     for spec in args.column:
         key, sep, value = spec.partition("=")

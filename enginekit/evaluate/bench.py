@@ -201,6 +201,7 @@ class _Job:
     times: list[np.ndarray] = dataclasses.field(default_factory=list)
     peak: float | None = None
     error: str | None = None
+    extra: int = 0  # rounds added to settle an unstable result
 
 
 def bench(
@@ -215,6 +216,7 @@ def bench(
     seed: int = 0,
     label: str | None = None,
     unstable_spread: float = UNSTABLE_SPREAD,
+    stabilize: bool = True,
 ) -> BenchResult:
     """Benchmark one engine at each batch size.
 
@@ -224,13 +226,16 @@ def bench(
             Sizes above the largest profile are split into several runs (flagged ``split``).
         duration: timed seconds per batch size, shared across rounds; with ``runs`` too, each
             round stops at whichever comes first.
-        runs: timed calls per batch size, shared across rounds (rounded up per round).
+        runs: timed calls per batch size, split across the rounds (exactly ``runs`` in all).
         warmup: seconds of untimed calls per batch size before the first round (at least one).
         rounds: timed rounds; the report gives their median throughput and spread.
         data: inputs to use (rows repeated or cut to each batch size) instead of random ones.
         seed: seed of the random inputs.
         label: the engine's name in reports and plots.
         unstable_spread: round-to-round spread above which a result is flagged unstable.
+        stabilize: with a duration (not ``runs``), re-measure an unstable result with more
+            rounds, one at a time, until its last ``rounds`` rounds agree or the time cap (the
+            planned duration again) is spent; the result says how many extra rounds it took.
 
     Raises:
         UsageError: settings that cannot measure anything (zero duration or runs, no sizes).
@@ -246,6 +251,7 @@ def bench(
         seed=seed,
         labels=[label] if label else None,
         unstable_spread=unstable_spread,
+        stabilize=stabilize,
     )[0]
 
 
@@ -261,6 +267,7 @@ def bench_many(
     seed: int = 0,
     labels: Sequence[str] | None = None,
     unstable_spread: float = UNSTABLE_SPREAD,
+    stabilize: bool = True,
 ) -> list[BenchResult]:
     """:func:`bench` for several engines, their rounds interleaved so that they share the
     machine's noise alike; one BenchResult per engine, in order."""
@@ -282,7 +289,7 @@ def bench_many(
                 owned.append(opened[-1])
         return _bench_opened(
             opened, engines, batch_sizes, duration, runs, warmup, rounds, data, seed, labels,
-            unstable_spread,
+            unstable_spread, stabilize,
         )  # fmt: skip
     finally:
         for e in owned:
@@ -301,6 +308,7 @@ def _bench_opened(
     seed: int,
     labels: Sequence[str] | None,
     unstable_spread: float,
+    stabilize: bool,
 ) -> list[BenchResult]:
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     host = host_info()
@@ -310,25 +318,31 @@ def _bench_opened(
         for job in engine_jobs:
             _prepare(engine, job, data, seed, warmup)
     budget = duration / rounds if duration is not None else None
-    per_round = math.ceil(runs / rounds) if runs is not None else None
-    for _ in range(rounds):
+    # exactly `runs` calls: the first rounds take one more when they do not divide evenly
+    split = [runs // rounds + (i < runs % rounds) for i in range(rounds)] if runs else None
+    for i in range(rounds):
         for engine, engine_jobs in zip(opened, jobs):
             for job in engine_jobs:
-                if job.error is None:
-                    _round(engine, job, budget, per_round)
+                if job.error is None and (split is None or split[i] > 0):
+                    _round(engine, job, budget, split[i] if split else None)
+    planned = (duration or 0) * sum(len(j) for j in jobs)
+    cap = planned if stabilize and runs is None and rounds > 1 else 0
+    if cap:
+        _stabilize(opened, jobs, budget, rounds, unstable_spread, cap)
     settings = {
         "duration_s": duration,
         "runs": runs,
         "warmup_s": warmup,
         "rounds": rounds,
         "unstable_spread": unstable_spread,
+        "stabilize_cap_s": cap or None,
         "seed": seed,
         "data": "user" if data is not None else "random",
     }
     out = []
     for i, (engine, engine_jobs) in enumerate(zip(opened, jobs)):
         path = None if isinstance(given[i], Engine) else given[i]
-        results = tuple(_result(engine, job, unstable_spread) for job in engine_jobs)
+        results = tuple(_result(engine, job, unstable_spread, rounds) for job in engine_jobs)
         peaks = [r.peak_rss_mb for r in results if r.peak_rss_mb is not None]
         out.append(
             BenchResult(
@@ -363,6 +377,35 @@ def _prepare(
         job.error = _error_text(exc)
 
 
+def _stabilize(
+    opened: list[Engine],
+    jobs: list[list[_Job]],
+    budget: float | None,
+    rounds: int,
+    unstable_spread: float,
+    cap: float,
+) -> None:
+    """More rounds, one at a time, for the results whose last ``rounds`` rounds still differ
+    by more than ``unstable_spread``, until none does or ``cap`` seconds are spent."""
+    deadline = time.perf_counter() + cap
+    while time.perf_counter() < deadline:
+        todo = [
+            (engine, job)
+            for engine, engine_jobs in zip(opened, jobs)
+            for job in engine_jobs
+            if job.error is None and (_spread_of(job, rounds) or 0.0) > unstable_spread
+        ]
+        if not todo:
+            return
+        for engine, job in todo:
+            _round(engine, job, budget, None)
+            job.extra += 1
+
+
+def _spread_of(job: _Job, rounds: int) -> float | None:
+    return spread([job.batch * len(t) / float(t.sum()) for t in job.times[-rounds:]])
+
+
 def _round(engine: Engine, job: _Job, budget: float | None, per_round: int | None) -> None:
     feeds = job.feeds
     call = lambda: engine.infer(feeds)  # noqa: E731
@@ -382,11 +425,12 @@ def _error_text(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, EnginekitError) else f"{type(exc).__name__}: {exc}"
 
 
-def _result(engine: Engine, job: _Job, unstable_spread: float) -> BatchResult:
+def _result(engine: Engine, job: _Job, unstable_spread: float, window: int) -> BatchResult:
     if job.error is not None or not job.times:
         return BatchResult(job.batch, job.shapes, error=job.error or "not run")
-    rounds = tuple(job.batch * len(t) / float(t.sum()) for t in job.times)
-    pooled = np.concatenate(job.times)
+    kept = job.times[-window:]  # after extra rounds: the last `rounds` of them
+    rounds = tuple(job.batch * len(t) / float(t.sum()) for t in kept)
+    pooled = np.concatenate(kept)
     s = spread(rounds)
     stable = None if s is None else s <= unstable_spread
     top = max_batch(engine)
@@ -399,6 +443,10 @@ def _result(engine: Engine, job: _Job, unstable_spread: float) -> BatchResult:
         )
     if stable is False:
         notes.append(f"unstable: rounds differ by {s:.0%} (> {unstable_spread:.0%})")
+        if job.extra:
+            notes.append(f"still after {job.extra} extra rounds (time cap reached)")
+    elif job.extra:
+        notes.append(f"stable after {job.extra} extra rounds")
     return BatchResult(
         batch=job.batch,
         shapes=job.shapes,
@@ -411,6 +459,7 @@ def _result(engine: Engine, job: _Job, unstable_spread: float) -> BatchResult:
         split=split,
         peak_rss_mb=job.peak,
         note="; ".join(notes),
+        extra_rounds=job.extra,
     )
 
 

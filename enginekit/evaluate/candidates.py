@@ -30,6 +30,7 @@ class Candidate:
     label: str = ""
 
     def __post_init__(self) -> None:
+        registry.check_name(self.backend)  # a typo is a usage error, not a skipped candidate
         object.__setattr__(self, "options", dict(self.options))
         try:
             object.__setattr__(self, "precision", Precision(self.precision).value)
@@ -73,20 +74,20 @@ def as_candidate(entry: str | Candidate | tuple[Any, ...]) -> Candidate:
 
 
 def skip_reason(candidate: Candidate, device: str) -> str | None:
-    """Why ``candidate`` cannot be built here (not registered, not installed, no such device,
-    precision not offered), or None when it can."""
+    """Why ``candidate`` cannot be built here (not installed, no such device, precision not
+    offered), or None when it can. (An unregistered name never gets this far: the Candidate
+    refuses it as a usage error.)"""
     name = candidate.backend
-    if name not in registry.names():
-        return (
-            f"no backend named {name!r} is registered (registered: {', '.join(registry.names())})"
-        )
     avail = registry.availability(name)
     if not avail.available:
         return avail.reason or "not available"
     kind = device.split(":")[0]
     if not any(d.split(":")[0] == kind for d in avail.devices):
         return f"no {device!r} device (it has: {', '.join(avail.devices) or 'none'})"
-    offered = tuple(getattr(registry.get(name), "PRECISIONS", ("fp32",)))
+    offered = registry.precisions(registry.get(name), device)
     if candidate.precision not in offered:
-        return f"precision {candidate.precision} not offered (it builds {', '.join(offered)})"
+        return (
+            f"precision {candidate.precision} not offered on {device} (it builds "
+            f"{', '.join(offered)} there)"
+        )
     return None

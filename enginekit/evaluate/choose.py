@@ -130,11 +130,16 @@ def _reason(ranked: list[tuple[dict[str, Any], BatchResult]], objective: str, ba
     return text
 
 
+def _has_qdq(model: Model) -> bool:
+    return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.proto.graph.node)
+
+
 def _build_one(
     cand: Candidate,
     model: Model,
     base: BuildConfig,
     out_dir: Path,
+    quant: Quantization | None = None,
 ) -> tuple[Engine | None, dict[str, Any]]:
     config = BuildConfig(
         backend=cand.backend,
@@ -149,14 +154,35 @@ def _build_one(
     )
     record: dict[str, Any] = {**cand.to_json(), "status": "skipped", "error": None}
     reason = skip_reason(cand, base.device)
+    quant = quant or Quantization()
+    calibrated = quant.calibration is not None or quant.calib_data is not None
+    if reason is None and cand.precision == "int8" and not calibrated and not _has_qdq(model):
+        reason = (
+            "int8 needs calibration data: give calib_data= or calibration= (--calib-data, "
+            "--calibration) with auto"
+        )
     if reason is not None:
         record["error"] = reason
         return None, record
+    source = cand.model if cand.model is not None else model
     try:
-        engine = build(
-            cand.model if cand.model is not None else model, config=config, output=f"{out_dir}/"
-        )
-        report = verify_engine(engine, model, dataclasses.replace(config, verify=True))
+        if cand.precision == "int8" and calibrated:
+            # build's own int8 stage calibrates and verifies on data, with the accuracy gates
+            engine = build(
+                source, config=dataclasses.replace(config, verify=True), output=f"{out_dir}/",
+                calibration=quant.calibration, calib_data=quant.calib_data,
+                calib_method=quant.calib_method, verify_data=quant.verify_data,
+                min_top1_agreement=quant.gates.min_top1_agreement,
+                max_abs_error=quant.gates.max_abs_error,
+                allow_table_mismatch=quant.allow_table_mismatch,
+            )  # fmt: skip
+            report = engine.manifest["verify"]
+        else:
+            engine = build(source, config=config, output=f"{out_dir}/")
+            report = verify_engine(engine, model, dataclasses.replace(config, verify=True))
+    except VerificationError as exc:
+        record.update(status="failed verification", error=str(exc))
+        return None, record
     except Exception as exc:  # any backend's build or run failure is this candidate's result
         text = str(exc) if isinstance(exc, EnginekitError) else f"{type(exc).__name__}: {exc}"
         record.update(status="build error", error=text)
@@ -191,16 +217,15 @@ def build_auto(model: ModelSource, request: Request) -> Engine:
 
     Raises:
         UsageError: verify off (auto verifies every candidate), a bad objective.
-        BuildError: int8 calibration or subgraph arguments (they apply to one backend), or no
-            candidate could be built here.
+        BuildError: subgraph arguments (they apply to one backend), or no candidate could be
+            built here.
+
+    The int8 arguments (``calibration``, ``calib_data``, ``verify_data``, the accuracy gates)
+    go to every int8 candidate, which build's int8 stage calibrates and verifies on data; an
+    int8 candidate without calibration (and a model without Q/DQ nodes) is skipped, saying so.
         VerificationError: every candidate that built failed verification.
     """
     config = request.config
-    if request.quant != Quantization():
-        raise BuildError(
-            "calibration, calib_data, verify_data and the accuracy gates apply to one "
-            "backend's int8 build; name the backend instead of 'auto'"
-        )
     if config.outputs or not config.simplify:
         raise BuildError(
             "simplify=False and outputs= apply to one backend's build; name the backend "
@@ -229,7 +254,7 @@ def build_auto(model: ModelSource, request: Request) -> Engine:
     records: list[dict[str, Any]] = []
     try:
         for i, (cand, dropped) in enumerate(todo):
-            engine, record = _build_one(cand, loaded, base, root / f"c{i}")
+            engine, record = _build_one(cand, loaded, base, root / f"c{i}", request.quant)
             if dropped:
                 record["dropped_options"] = dropped
             records.append(record)

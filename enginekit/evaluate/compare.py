@@ -30,8 +30,8 @@ from enginekit.config import (
     default_tolerance,
     normalize_shapes,
 )
-from enginekit.engine import Engine, to_numpy
-from enginekit.errors import EnginekitError, UsageError
+from enginekit.engine import Engine, TensorSpec, to_numpy
+from enginekit.errors import EngineInputError, EnginekitError, UsageError
 from enginekit.evaluate.candidates import Candidate, as_candidate, skip_reason
 from enginekit.evaluate.golden import Golden, load_golden, save_golden
 from enginekit.evaluate.reference import resolve_reference
@@ -82,6 +82,30 @@ def _check_names(cases: Sequence[Feeds], names: Sequence[str]) -> None:
             raise UsageError(
                 f"data set {i}: inputs {sorted(case)}, the model takes {sorted(names)}"
             )
+
+
+def _check_specs(cases: Sequence[Feeds], specs: Sequence[TensorSpec]) -> None:
+    """Refuse inputs of the wrong dtype, rank or fixed dim before any backend sees them, with
+    the message ``Engine.infer`` gives (``enginekit run`` and ``bench`` say the same)."""
+    for case in cases:
+        for spec in specs:
+            a = case[spec.name]
+            if str(a.dtype) != spec.dtype:
+                raise EngineInputError(
+                    f"input {spec.name!r}: expected dtype {spec.dtype}, got {a.dtype} (cast it "
+                    f"yourself, e.g. x.astype(np.{spec.dtype}); enginekit never casts silently)"
+                )
+            if a.ndim != len(spec.shape):
+                raise EngineInputError(
+                    f"input {spec.name!r}: expected rank {len(spec.shape)} {spec.shape}, got "
+                    f"rank {a.ndim} with shape {a.shape}"
+                )
+            for axis, (want, got) in enumerate(zip(spec.shape, a.shape)):
+                if isinstance(want, int) and want != got:
+                    raise EngineInputError(
+                        f"input {spec.name!r}: dim {axis} must be {want} (spec {spec.shape}), "
+                        f"got shape {a.shape}"
+                    )
 
 
 def _profile_from_cases(cases: Sequence[Feeds]) -> tuple[dict[str, Any], ...]:
@@ -331,6 +355,7 @@ def compare(
         elif data is not None:
             cases, source = _as_cases(data, names), "data"
             _check_names(cases, names)
+            _check_specs(cases, loaded.inputs if loaded else _any_engine(engines).inputs)
         else:
             points = _random_points(loaded, profiles, list(engines.values()))
             specs = loaded.inputs if loaded else _any_engine(engines).inputs

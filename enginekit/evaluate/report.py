@@ -9,6 +9,7 @@ and their terminal tables.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,6 +32,15 @@ def num(value: float | None, digits: int = 3) -> str:
     if value is None:
         return "-"
     return f"{value:.{digits}g}"
+
+
+def rate(value: float | None) -> str:
+    """A throughput for people: ``193,050`` and ``1,234``, ``12.5`` and ``0.0312``; '-' for None."""
+    if value is None:
+        return "-"
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
 def shapes_text(shapes: Mapping[str, Sequence[int]]) -> str:
@@ -238,8 +248,10 @@ class BatchResult:
         split: the batch is larger than the engine's largest profile, so each call is split
             into several runs and re-joined (what Engine does, and what was measured).
         peak_rss_mb: peak resident memory of the process while this batch size ran.
-        note: what the numbers mean beyond themselves (split, unstable).
+        note: what the numbers mean beyond themselves (split, unstable, extra rounds).
         error: why this batch size could not run (e.g. below the profile's minimum).
+        extra_rounds: rounds added to settle an unstable result (the numbers are the last
+            ``rounds`` rounds').
     """
 
     batch: int
@@ -254,6 +266,7 @@ class BatchResult:
     peak_rss_mb: float | None = None
     note: str = ""
     error: str | None = None
+    extra_rounds: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -269,6 +282,7 @@ class BatchResult:
             "peak_rss_mb": self.peak_rss_mb,
             "note": self.note,
             "error": self.error,
+            "extra_rounds": self.extra_rounds,
         }
 
 
@@ -339,7 +353,7 @@ def bench_table(results: Sequence[BenchResult]) -> str:
                     f"{lat.p90:.4g}",
                     f"{lat.p99:.4g}",
                     f"{lat.max:.4g}",
-                    f"{b.throughput:.5g}",
+                    rate(b.throughput),
                     "-" if b.spread is None else f"{b.spread:.0%}" + ("!" if not b.stable else ""),
                     str(b.runs),
                     num(b.peak_rss_mb, 5),
@@ -351,10 +365,21 @@ def bench_table(results: Sequence[BenchResult]) -> str:
         h = results[0].host
         lines.append(
             f"host: {h.get('cpu', '?')}, {h.get('cpus', '?')} CPUs, load {h.get('loadavg', '?')}; "
-            f"rounds {results[0].settings.get('rounds')}; SPREAD = (max - min) / median of the "
+            f"{_rounds_text(results[0].settings)}; SPREAD = (max - min) / median of the "
             "rounds' throughput ('!' = unstable)"
         )
     return "\n".join(lines)
+
+
+def _rounds_text(settings: Mapping[str, Any]) -> str:
+    rounds = settings.get("rounds")
+    cap = settings.get("stabilize_cap_s")
+    if not cap:
+        return f"rounds {rounds}"
+    return (
+        f"rounds {rounds} (each result the last {rounds}; unstable ones re-measured with "
+        f"more rounds until stable or {cap:g} s more)"
+    )
 
 
 # -- auto ------------------------------------------------------------------------------------------
@@ -375,7 +400,7 @@ def auto_table(auto: Mapping[str, Any]) -> str:
                 num((c.get("verify") or {}).get("max_abs")),
                 num(lat.get("p50"), 4),
                 num(lat.get("p99"), 4),
-                num(b.get("throughput"), 5),
+                rate(b.get("throughput")),
                 "-" if spread is None else f"{spread:.0%}",
                 c.get("error") or b.get("note") or "",
             ]

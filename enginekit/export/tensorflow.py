@@ -14,9 +14,7 @@ import inspect
 import logging
 import os
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,8 @@ import onnx
 
 from enginekit.errors import ExportError
 from enginekit.export._tf2onnx import Target
+from enginekit.files import atomic_path
+from enginekit.progress import native_output_captured
 
 NAME = "tensorflow"
 #: What paths this exporter takes (the registry quotes it when nothing accepts a path).
@@ -459,15 +459,11 @@ def export(
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    proto, fn, names = convert(target, shapes, axes, opset, output_names)
-    if check:
-        check_outputs(proto, fn, target, shapes, axes, examples, names, atol, rtol)
-    tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        tmp = tmpdir / path.name
+    with native_output_captured("TensorFlow export"):  # C++ logs once TF is already loaded
+        proto, fn, names = convert(target, shapes, axes, opset, output_names)
+        if check:
+            check_outputs(proto, fn, target, shapes, axes, examples, names, atol, rtol)
+    with atomic_path(path, suffix=".onnx") as tmp:
         onnx.save_model(proto, str(tmp))
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
     log.info("exported %s (%d inputs, %d outputs)", path, len(target.names), len(names))
     return path

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -10,7 +9,7 @@ from typing import Any
 
 import onnx
 
-from enginekit.errors import ModelError
+from enginekit.errors import ModelError, closest
 from enginekit.model import ModelSource, io_specs, load_model
 
 log = logging.getLogger("enginekit.passes")
@@ -120,8 +119,15 @@ def _tensor_names(proto: onnx.ModelProto) -> set[str]:
 
 
 def _unknown(kind: str, name: str, known: set[str]) -> ModelError:
-    close = difflib.get_close_matches(name, sorted(known), n=3)
-    hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+    close = closest(name, known, n=3)
+    if close:
+        hint = f" (did you mean {', '.join(map(repr, close))}?)"
+    else:  # nothing alike: show some names to pick from
+        some = sorted(known)
+        more = (
+            f", ... ({len(some)} in all; `enginekit inspect` lists them)" if len(some) > 12 else ""
+        )
+        hint = f" (its tensors: {', '.join(map(repr, some[:12]))}{more})"
     return ModelError(f"{kind} {name!r} is not a tensor of the model{hint}")
 
 

@@ -24,13 +24,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from enginekit.errors import ArtifactError, EnginekitError
+from enginekit.files import atomic_path, atomic_write, copy_atomic
 from enginekit.version import __version__
 
 LAYOUT = "v1"
@@ -80,33 +80,20 @@ class PruneResult:
 
 
 def _atomic_copy(src: Path, dest: Path, tmp_dir: Path | None = None) -> None:
-    """Copy ``src`` to ``dest`` whole or not at all (temp file, fsync, rename)."""
-    tmp_dir = tmp_dir or dest.parent
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=tmp_dir)
-    try:
-        with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
-            shutil.copyfileobj(f, out, 1 << 20)
-            out.flush()
-            os.fsync(out.fileno())
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Copy ``src`` to ``dest`` whole or not at all (temp file, fsync, rename), readable as a
+    plain copy would be (the umask decides, not the temp file's private mode)."""
+    del tmp_dir  # the temporary lives beside dest: same filesystem, so the rename is atomic
+    copy_atomic(src, dest)
 
 
 def _atomic_write_text(dest: Path, text: str, tmp_dir: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=tmp_dir)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    del tmp_dir
+    with atomic_write(dest, "w") as f:
+        f.write(text)
+
+
+class _Corrupt(Exception):
+    """A cached artifact failed its checksums (internal: ends :meth:`Cache.fetch` as a miss)."""
 
 
 class Cache:
@@ -118,6 +105,8 @@ class Cache:
         self.entries_dir = self.base / "entries"
         self.locks_dir = self.base / "locks"
         self.tmp_dir = self.base / "tmp"
+        #: keys whose cached artifact failed its checksums in :meth:`fetch` (evicted, a miss)
+        self.evicted: list[str] = []
 
     def _ensure(self) -> None:
         for d in (self.entries_dir, self.locks_dir, self.tmp_dir):
@@ -160,22 +149,20 @@ class Cache:
         src = self.path(key)
         if not src.is_file():
             return None
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
         try:
-            with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
-                shutil.copyfileobj(f, out, 1 << 20)
-                out.flush()
-                os.fsync(out.fileno())
-            try:
-                manifest = open_artifact(tmp).manifest
-            except ArtifactError:
-                self._evict(key)
-                return None
-            os.replace(tmp, dest)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            with atomic_path(dest) as tmp:
+                with open(tmp, "wb") as out, open(src, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+                    out.flush()
+                    os.fsync(out.fileno())
+                try:
+                    manifest = open_artifact(tmp).manifest
+                except ArtifactError:
+                    self._evict(key)
+                    self.evicted.append(key)
+                    raise _Corrupt from None
+        except _Corrupt:
+            return None
         now = time.time()
         with contextlib.suppress(FileNotFoundError):
             os.utime(src, (now, now))
@@ -197,9 +184,25 @@ class Cache:
         _atomic_write_text(dest.with_suffix(".json"), json.dumps(info, indent=1), self.tmp_dir)
         return dest
 
+    def load_bench(self, key: str, signature: str) -> dict[str, Any] | None:
+        """The bench result stored for ``key`` under the same ``signature`` (settings, host,
+        enginekit version), or None."""
+        with contextlib.suppress(FileNotFoundError, ValueError, OSError):
+            data = json.loads(self.path(key).with_suffix(".bench.json").read_text("utf-8"))
+            if data.get("signature") == signature and isinstance(data.get("result"), dict):
+                return dict(data["result"])
+        return None
+
+    def store_bench(self, key: str, signature: str, result: dict[str, Any]) -> None:
+        """Keep ``result`` beside the artifact of ``key`` for the next run on this host."""
+        dest = self.path(key)
+        if dest.is_file():
+            text = json.dumps({"signature": signature, "result": result}, indent=1)
+            _atomic_write_text(dest.with_suffix(".bench.json"), text, self.tmp_dir)
+
     def _evict(self, key: str) -> None:
         path = self.path(key)
-        for p in (path, path.with_suffix(".json")):
+        for p in (path, path.with_suffix(".json"), path.with_suffix(".bench.json")):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
 

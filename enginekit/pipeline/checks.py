@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from enginekit.config import ShapeProfile
-from enginekit.errors import BackendUnavailable, EnginekitError
+from enginekit.errors import EnginekitError, UnknownBackend, did_you_mean
 
 if TYPE_CHECKING:
     from enginekit.pipeline.locate import Collector
@@ -53,8 +52,7 @@ def check_shapes(
         for name, prof in profile.items():
             key: KeyPath = ("shapes", i, name) if array_form else ("shapes", name)
             if name not in names:
-                close = difflib.get_close_matches(name, names, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
+                hint = did_you_mean(name, names)
                 c.error(key, f"the model has no input {name!r}{hint} (inputs: {', '.join(names)})")
                 continue
             try:
@@ -84,8 +82,7 @@ def check_outputs(model_path: Path, outputs: Sequence[str], c: Collector) -> Non
     known = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
     for i, name in enumerate(outputs):
         if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(name, sorted(known))
             c.error(("model", "outputs", i), f"the model computes no tensor {name!r}{hint}")
 
 
@@ -103,15 +100,8 @@ def check_backend(
 
     try:
         module = backends.get(backend)
-    except BackendUnavailable:
-        registered = backends.names()
-        close = difflib.get_close_matches(backend, registered, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        c.warn(
-            (*key, "backend"),
-            f"backend {backend!r} is not registered here ({hint}registered: "
-            f"{', '.join(registered)}); its entries are skipped on this runner",
-        )
+    except UnknownBackend as exc:
+        c.error((*key, "backend"), str(exc))
         return
     except Exception as exc:  # a broken plugin must not hide the other problems
         c.warn((*key, "backend"), f"backend {backend!r} fails to import: {exc}")
@@ -120,11 +110,10 @@ def check_backend(
     listing = ", ".join(sorted(known)) or "none"
     for name in options:
         if name not in known:
-            close = difflib.get_close_matches(name, list(known), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            hint = did_you_mean(name, known)
             c.error(
                 (*key, "options", name),
-                f"backend {backend!r} has no option {name!r} ({hint}its options: {listing})",
+                f"backend {backend!r} has no option {name!r}{hint} (its options: {listing})",
             )
     if has_layout and "layout" not in known:
         c.error(

@@ -8,11 +8,11 @@ returns the value (or None when it cannot be used); ``schema()`` returns its JSO
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from enginekit.errors import did_you_mean
 from enginekit.pipeline.locate import Path
 
 
@@ -72,8 +72,7 @@ class Str(Node):
             issues.append(Issue(path, f"expected a string, got {_kind(value)}"))
             return None
         if self.choices is not None and value not in self.choices:
-            close = difflib.get_close_matches(value, self.choices, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(value, self.choices)
             issues.append(Issue(path, f"{value!r} is not one of {', '.join(self.choices)}{hint}"))
             return None
         if self.pattern is not None and not re.fullmatch(self.pattern, value):
@@ -241,8 +240,7 @@ class Table(Node):
         for name, item in value.items():
             if self.values is not None:
                 if self.key_names is not None and name not in self.key_names:
-                    close = difflib.get_close_matches(name, self.key_names, n=1)
-                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    hint = did_you_mean(name, self.key_names)
                     issues.append(
                         Issue(
                             (*path, name),
@@ -254,8 +252,7 @@ class Table(Node):
             elif name in self.keys:
                 out[name] = self.keys[name].node.check(item, (*path, name), issues)
             else:
-                close = difflib.get_close_matches(name, list(self.keys), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
+                hint = did_you_mean(name, list(self.keys))
                 known = ", ".join(self.keys) or "none"
                 issues.append(Issue((*path, name), f"unknown key{hint} (known keys: {known})"))
         for name, key in self.keys.items():

@@ -66,6 +66,7 @@ class Outcome:
     verify: dict[str, Any] | None = None
     manifest: dict[str, Any] | None = None
     pid: int = dataclasses.field(default_factory=os.getpid)
+    cache_note: str | None = None  # "corrupt, rebuilt": the cached artifact failed its checksums
 
 
 # -- calibration arguments -----------------------------------------------------------------------
@@ -227,15 +228,20 @@ def _from_manifest(job: Job, status: str, manifest: dict[str, Any], seconds: flo
 
 def lookup(job: Job) -> Outcome | None:
     """A cache hit copied to the job's output, or None (no cache, or a miss)."""
+    return _lookup(job)[0]
+
+
+def _lookup(job: Job) -> tuple[Outcome | None, bool]:
+    """(the hit or None, whether the cached artifact was corrupt and evicted)."""
     if job.cache is None:
-        return None
+        return None, False
     start = time.perf_counter()
     cache = Cache(job.cache)
     with cache.lock(job.key):
         manifest = cache.fetch(job.key, Path(job.output))
     if manifest is None:
-        return None
-    return _from_manifest(job, "cached", manifest, time.perf_counter() - start)
+        return None, job.key in cache.evicted
+    return _from_manifest(job, "cached", manifest, time.perf_counter() - start), False
 
 
 def build_one(job: Job) -> Outcome:
@@ -288,12 +294,15 @@ def run(jobs: Sequence[Job], parallel: int = 1) -> list[Outcome]:
     (in this process when ``parallel`` is 1 or only one entry misses). Outcomes in job order."""
     done: dict[str, Outcome] = {}
     misses = []
+    corrupt = set()
     for job in jobs:
-        hit = lookup(job)
+        hit, evicted = _lookup(job)
         if hit is not None:
             done[job.entry.id] = hit
         else:
             misses.append(job)
+            if evicted:
+                corrupt.add(job.entry.id)
     if parallel > 1 and len(misses) > 1:
         context = multiprocessing.get_context("spawn")
         workers = min(parallel, len(misses))
@@ -311,4 +320,7 @@ def run(jobs: Sequence[Job], parallel: int = 1) -> list[Outcome]:
     else:
         for job in misses:
             done[job.entry.id] = build_one(job)
+    for name in corrupt:
+        if done[name].status == "built":
+            done[name] = dataclasses.replace(done[name], cache_note="corrupt, rebuilt")
     return [done[job.entry.id] for job in jobs]

@@ -81,6 +81,26 @@ def measure(
     return out
 
 
+def signature(spec: BenchSpec, profiles: Sequence[Mapping[str, ShapeProfile]] = ()) -> str:
+    """What a stored bench result must match to be reused: the bench settings, this host (CPU,
+    ISA, CPU count) and the enginekit version. The artifact itself is the cache key."""
+    import hashlib
+    import json
+    import os
+
+    from enginekit import target
+    from enginekit.version import __version__
+
+    host = target.host()
+    blob = {
+        "spec": repr(spec),
+        "sizes": default_batch_sizes(profiles),
+        "host": [host.get("cpu"), sorted(host.get("isa") or []), os.cpu_count()],
+        "enginekit": __version__,
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def best(first: Mapping[str, Any], second: Mapping[str, Any]) -> dict[str, Any]:
     """Two measurements of one entry merged batch by batch, keeping the faster (for a
     re-measurement of a suspected regression: noise only ever slows a run down)."""

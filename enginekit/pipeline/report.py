@@ -238,7 +238,8 @@ def _entry_report(
         "status": outcome.status,
         "reason": outcome.reason,
         "failure": outcome.failure,
-        "cache": {"cached": "hit", "built": "miss" if outcome.key else None}.get(outcome.status),
+        "cache": outcome.cache_note
+        or {"cached": "hit", "built": "miss" if outcome.key else None}.get(outcome.status),
         "key": outcome.key,
         "artifact": outcome.artifact,
         "build_key": manifest.get("build_key"),
@@ -312,7 +313,8 @@ def _bench_cell(bench: Mapping[str, Any] | None) -> str:
     rates = _throughputs(bench)
     if not rates:
         return "–"
-    return " / ".join(_rate(rates[b]) for b in sorted(rates))
+    text = " / ".join(_rate(rates[b]) for b in sorted(rates))
+    return text + " (reused)" if (bench or {}).get("reused") else text
 
 
 def _vs_baseline(entry: Mapping[str, Any]) -> str:
@@ -331,6 +333,34 @@ def _verdict(entry: Mapping[str, Any]) -> str:
         return "❌ error"
     failed = [g["gate"] for g in entry["gates"] if g["passed"] is False]
     return "❌ " + ", ".join(failed) if failed else "✅"
+
+
+def _notes(entries: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What a reader should know beyond the gates: an int8 entry slower than its fp32 twin,
+    a cache entry that was corrupt and rebuilt."""
+    notes = []
+    rates = {
+        (e["backend"], e.get("variant"), e["precision"]): _throughputs(e.get("bench"))
+        for e in entries
+    }
+    for e in entries:
+        if e["cache"] == "corrupt, rebuilt":
+            notes.append(f"`{e['id']}`: its cached artifact failed its checksums; rebuilt")
+        if e["precision"] != "int8":
+            continue
+        mine, fp32 = (
+            rates.get((e["backend"], e.get("variant"), "int8")) or {},
+            rates.get((e["backend"], e.get("variant"), "fp32")) or {},
+        )
+        for batch in sorted(set(mine) & set(fp32)):
+            if fp32[batch] > 0 and mine[batch] < fp32[batch]:
+                notes.append(
+                    f"`{e['id']}` runs at {mine[batch] / fp32[batch]:.2f}x the fp32 entry's "
+                    f"throughput at batch {batch}: int8 is slower here (no VNNI, or Q/DQ overhead "
+                    "on a small model); keep fp32 on this host"
+                )
+                break
+    return notes
 
 
 def markdown(report: Mapping[str, Any]) -> str:
@@ -372,11 +402,18 @@ def markdown(report: Mapping[str, Any]) -> str:
             f"| {'–' if top1 is None else f'{top1:.2%}'} | {_bench_cell(e.get('bench'))} "
             f"| {_vs_baseline(e)} | {_verdict(e)} |"
         )
-    if report["regressions"]:
-        lines += ["", "### Regressions", ""]
-        lines += [
-            f"- **{r.partition(': ')[0]}**: {r.partition(': ')[2]}" for r in report["regressions"]
-        ]
+    failed = [(e["id"], g) for e in report["entries"] for g in e["gates"] if g["passed"] is False]
+    slower = [(i, g) for i, g in failed if g["gate"] == "max_throughput_regression"]
+    accuracy = [(i, g) for i, g in failed if g["gate"] != "max_throughput_regression"]
+    if accuracy:
+        lines += ["", "### Accuracy gates failed", ""]
+        lines += [f"- **{i}** ({g['gate']}): {g['message']}" for i, g in accuracy]
+    if slower:
+        lines += ["", "### Throughput regressions", ""]
+        lines += [f"- **{i}**: {g['message']}" for i, g in slower]
+    notes = _notes(report["entries"])
+    if notes:
+        lines += ["", "### Notes", ""] + [f"- {n}" for n in notes]
     problems = [
         e for e in report["entries"] if e["status"] in ("skipped", "failed") and e["reason"]
     ]

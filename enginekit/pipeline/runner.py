@@ -23,6 +23,7 @@ def run(
     jobs: int = 1,
     strict: bool = False,
     bench: bool = True,
+    rebench: bool = False,
 ) -> dict[str, Any]:
     """Build every entry of a build file into ``out``, benchmark, gate, and write the report.
 
@@ -35,6 +36,9 @@ def run(
         strict: an entry whose backend is unavailable here fails instead of being skipped, and
             build-file warnings are errors.
         bench: benchmark the entries (also needs ``[bench] enabled``, the default).
+        rebench: measure entries copied from the cache too; by default their bench result
+            from an earlier run with the same settings on this host is reused (marked
+            ``reused``), so a fully cached run does no backend work at all.
 
     Returns:
         the report (its ``exit_code`` says how the run went).
@@ -72,7 +76,21 @@ def run(
     results: dict[str, dict[str, Any]] = {}
     ready = [(o.id, o.artifact) for o in outcomes if o.status in ("built", "cached") and o.artifact]
     if bench and cfg.bench.enabled and ready:
-        results = perf.measure(ready, cfg.bench, cfg.profiles)
+        keys = {o.id: o.key for o in outcomes if o.key}
+        sig = perf.signature(cfg.bench, cfg.profiles)
+        cached = {o.id for o in outcomes if o.status == "cached"}
+        if store is not None and not rebench:
+            for entry_id, _ in ready:
+                old = store.load_bench(keys[entry_id], sig) if entry_id in cached else None
+                if old is not None:
+                    results[entry_id] = {**old, "reused": True}
+        todo = [r for r in ready if r[0] not in results]
+        if todo:
+            results.update(perf.measure(todo, cfg.bench, cfg.profiles))
+        if store is not None:
+            for entry_id, _ in todo:
+                if entry_id in keys and not results[entry_id].get("error"):
+                    store.store_bench(keys[entry_id], sig, results[entry_id])
     timings["bench_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - start
 

@@ -13,12 +13,12 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from enginekit.errors import ArtifactError, EnginekitError
+from enginekit.files import atomic_dir, atomic_write
 
 #: numpy dtype name -> Triton DataType.
 DATA_TYPES = {
@@ -314,8 +314,7 @@ def export_triton(
     model = plan_model(opened.manifest, name, max_batch_size, max_queue_delay_us, instance_count)
     model_dir = Path(repo) / name
     model_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{version}.tmp-", dir=model_dir))
-    try:
+    with atomic_dir(model_dir / str(version)) as staging:
         if model.backend == "python":
             (staging / "model.py").write_text(MODEL_PY, encoding="utf-8")
             if src.is_dir():
@@ -330,22 +329,9 @@ def export_triton(
             if payload is None:
                 raise ArtifactError(f"{src}: no {model.model_file} in its payload")
             (staging / model.model_file).write_bytes(opened.read(payload))
-        target = model_dir / str(version)
-        if target.exists():
-            old = model_dir / f".{version}.old-{os.getpid()}"
-            os.replace(target, old)
-            os.replace(staging, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     config = model_dir / "config.pbtxt"
-    fd, tmp = tempfile.mkstemp(prefix=".config.pbtxt.tmp-", dir=model_dir)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
+    with atomic_write(config, "w") as f:
         f.write(config_pbtxt(model))
-    os.replace(tmp, config)
     files = sorted(p.name for p in (model_dir / str(version)).iterdir())
     return {
         "model_dir": str(model_dir),

@@ -185,6 +185,21 @@ def test_model_with_qdq_nodes_is_built_as_it_is(trained, table):
         ek.calibrate(qat, trained.calib_x)
 
 
+def test_a_qat_model_is_verified_against_its_float_graph_and_says_so(trained, table):
+    from enginekit.calibration.convert import strip_qdq
+    from enginekit.model import load_model
+
+    qat = write_qdq(trained.path, table)
+    stripped = strip_qdq(load_model(qat).proto)
+    assert stripped is not None
+    assert not any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in stripped.graph.node)
+    engine = ek.build(qat, precision="int8", verify_data=trained.test_x[:64])
+    verify = engine.manifest["verify"]
+    assert verify["reference"].startswith("onnxruntime-cpu float graph derived from the Q/DQ model")
+    # against the float graph the quantization error shows; against itself it would be 0
+    assert verify["outputs"][next(iter(verify["outputs"]))]["max_abs"] > 0
+
+
 def test_fp16_builds_on_cpu_and_bf16_is_refused_there(trained):
     engine = ek.build(trained.path, precision="fp16", shapes={_input(trained.path): SHAPES["x"]})
     assert engine.manifest["verify"]["passed"]

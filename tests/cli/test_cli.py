@@ -142,3 +142,85 @@ def test_python_dash_m_runs_the_command(module):
         [sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0 and r.stdout.strip() == f"enginekit {enginekit.__version__}"
+
+
+def test_typos_get_the_closest_name_and_the_subcommands_usage(mlp_path, tmp_path):
+    out = str(tmp_path / "m.ekit")
+    flag = cli("build", str(mlp_path), "--backnd", "onnxruntime", "-o", out)
+    assert flag.returncode == 2
+    assert (
+        flag.stderr.startswith("usage: enginekit build")
+        and "did you mean --backend?" in flag.stderr
+    )
+    backend = cli("build", str(mlp_path), "--backend", "onnxruntim", "-o", out)
+    assert backend.returncode == 2 and "did you mean 'onnxruntime'?" in backend.stderr
+    option = cli("build", str(mlp_path), "-O", "optimizaton_level=all", "-o", out)
+    assert "did you mean 'optimization_level'?" in option.stderr
+    outputs = cli("prepare", str(mlp_path), "--outputs", "relu_3", "-o", str(tmp_path / "p.onnx"))
+    assert outputs.returncode == 1 and "did you mean 'relu'" in outputs.stderr
+    nothing_alike = cli(
+        "prepare", str(mlp_path), "--outputs", "hidden_3", "-o", str(tmp_path / "p.onnx")
+    )
+    assert "its tensors: " in nothing_alike.stderr and "'relu'" in nothing_alike.stderr
+
+
+def test_backends_answers_from_package_metadata_without_importing_frameworks():
+    probe = "import sys, json; from enginekit.cli import main; main(['backends', '--json']); "
+    probe += "print(sorted(m for m in ('tvm', 'jax', 'tensorflow', 'torch') if m in sys.modules), file=sys.stderr)"
+    r = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=TESTS.parent
+    )
+    assert r.returncode == 0 and r.stderr.strip() == "[]", r.stderr
+    rows = {row["name"]: row for row in json.loads(r.stdout)}
+    assert rows["onnxruntime"]["probed"] and "cpu" in rows["onnxruntime"]["devices"]
+    for name in ("tvm", "xla"):  # installed here: a version from metadata, devices not probed
+        if rows[name]["available"]:
+            assert rows[name]["version"] and rows[name]["probed"] is False
+
+
+def test_backends_check_probes_devices_and_lists_only_precisions_the_host_builds():
+    rows = {r["name"]: r for r in json.loads(cli("backends", "--check", "--json").stdout)}
+    assert all(r["probed"] for r in rows.values())
+    ort = rows["onnxruntime"]
+    if "cuda" not in ort["devices"]:  # ONNX Runtime's CPU provider has no bf16 kernels
+        assert "bf16" not in ort["precisions"] and "int8" in ort["precisions"]
+    assert (
+        "bf16" not in json.loads(cli("backends", "--json").stdout)[0]["precisions"]
+        or "cuda" in ort["devices"]
+    )
+
+
+def test_inspect_says_what_an_artifact_really_holds(mlp_path, tmp_path):
+    (tmp_path / "empty.ekit").write_bytes(b"")
+    (tmp_path / "text.ekit").write_text("not an artifact")
+    for name in ("empty.ekit", "text.ekit"):
+        r = cli("inspect", str(tmp_path / name))
+        assert r.returncode == 1 and "not a valid .ekit file, truncated or corrupt" in r.stderr
+    np.savez(
+        tmp_path / "calib.npz",
+        x=np.random.default_rng(0).standard_normal((40, 16)).astype(np.float32),
+    )
+    out = tmp_path / "i8.ekit"
+    built = cli("build", str(mlp_path), "--shapes", "x:1x16,8x16,16x16", "--precision", "int8",
+                "--calib-data", str(tmp_path / "calib.npz"), "-o", str(out))  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    text = cli("inspect", str(out)).stdout
+    assert "simplify skipped (Q/DQ model)" in text and "simplify 1" not in text
+    assert "calibration entropy on" in text and "agreement  output: max abs" in text
+    backend = next(line for line in text.splitlines() if line.startswith("backend"))
+    assert "{" not in backend and "None" not in backend
+
+
+def test_inspect_lints_a_model_with_a_sequence_dim(tmp_path):
+    from onnx import TensorProto, helper, save
+
+    inputs = [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", "seq"]) for n in ("a", "b")
+    ]
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "seq"])
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["out"])], "g", inputs, [out])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    proto.ir_version = 8
+    save(proto, str(tmp_path / "enc.onnx"))
+    r = cli("inspect", str(tmp_path / "enc.onnx"))
+    assert r.returncode == 0 and "batch lint ok" in r.stdout and "shapes=" not in r.stdout

@@ -43,7 +43,7 @@ def test_infer_images_with_preprocessing_then_resume_prints_json(artifact, tmp_p
     assert pq.read_table(tmp_path / "out").column("path").to_pylist() == [
         f"{i}.png" for i in range(5)
     ]
-    assert main([*args, "--resume", "--json", "-"]) == 0
+    assert main([*args, "--resume", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert (summary["rows_skipped"], summary["shards_written"], summary["resumed"]) == (5, 0, True)
 

@@ -63,10 +63,37 @@ def test_a_run_count_stops_each_round_before_the_duration(engine):
     assert both.result(2).runs == 4  # the count came first; 60 s were not spent
 
 
-def test_a_batch_below_the_profile_minimum_is_reported_not_raised(artifacts):
+def test_a_run_count_is_exact_when_the_rounds_do_not_divide_it(engine):
+    assert (
+        ek.bench(engine, [1], runs=200, duration=None, rounds=3, warmup=0.0).result(1).runs == 200
+    )
+    assert ek.bench(engine, [1], runs=2, duration=None, rounds=3, warmup=0.0).result(1).runs == 2
+
+
+def test_unstable_results_get_more_rounds_within_a_time_cap_and_say_so(engine):
+    never = ek.bench(engine, [1], unstable_spread=0.0, **FAST)
+    r = never.result(1)
+    assert r.extra_rounds > 0 and "extra rounds (time cap reached)" in r.note
+    assert len(r.round_throughputs) == FAST["rounds"]  # the numbers are the last rounds'
+    assert never.settings["stabilize_cap_s"] == pytest.approx(FAST["duration"])
+    assert "re-measured" in never.table()
+    off = ek.bench(engine, [1], unstable_spread=0.0, stabilize=False, **FAST).result(1)
+    assert off.extra_rounds == 0
+    lax = ek.bench(engine, [1], unstable_spread=float("inf"), **FAST).result(1)
+    assert lax.extra_rounds == 0 and "extra" not in lax.note
+
+
+def test_throughput_is_printed_for_people():
+    from enginekit.evaluate.report import rate
+
+    assert rate(193050.4) == "193,050" and rate(1234.0) == "1,234"
+    assert rate(12.53) == "12.5" and rate(None) == "-"
+
+
+def test_a_batch_below_the_profile_minimum_is_padded_and_measured(artifacts):
     result = ek.bench(artifacts / "min4.ekit", [1, 4], **FAST)
     low, ok = result.results
-    assert low.latency_ms is None and "built for 4..8" in low.error
+    assert low.error is None and low.runs > 0  # padded to the profile's minimum batch 4
     assert ok.error is None and ok.runs > 0
     assert result.engine["path"].endswith("min4.ekit")
 
@@ -140,7 +167,7 @@ def test_plot_writes_a_png_with_one_line_per_engine(engine, artifacts, tmp_path)
 def test_cli_bench_writes_json_and_plot(artifacts, tmp_path):
     report, png = tmp_path / "report.json", tmp_path / "report.png"
     proc = run_cli("bench", artifacts / "mlp.ekit", "--batch-sizes", "1,4,32", "--duration",
-                   "0.05", "--rounds", "2", "--warmup", "0", "--json", report, "--plot", png)  # fmt: skip
+                   "0.05", "--rounds", "2", "--warmup", "0", "--json-file", report, "--plot", png)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "SAMPLES/S" in proc.stdout and "(split)" in proc.stdout
     data = json.loads(report.read_text())
@@ -148,8 +175,8 @@ def test_cli_bench_writes_json_and_plot(artifacts, tmp_path):
     assert [r["batch"] for r in data["engines"][0]["results"]] == [1, 4, 32]
     assert png_size(png) == (1000, 400)
 
-    to_stdout = run_cli("bench", artifacts / "mlp.ekit", "--batch-sizes", "2", "--runs", "3",
-                        "--warmup", "0", "--json")  # fmt: skip
+    to_stdout = run_cli("bench", "--json", artifacts / "mlp.ekit", "--batch-sizes", "2",
+                        "--runs", "3", "--warmup", "0")  # fmt: skip
     assert to_stdout.returncode == 0, to_stdout.stderr
     assert stdout_json(to_stdout)["engines"][0]["results"][0]["runs"] == 3
 

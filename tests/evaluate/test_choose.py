@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from compare_helpers import changed_weight, padded, run_cli, stdout_json, tiny_mlp
 
@@ -80,28 +81,47 @@ def test_throughput_objective_benches_at_the_largest_batch(models):
     assert "highest throughput at batch 16" in auto["reason"]
 
 
-def test_failed_builds_and_unavailable_candidates_are_recorded_not_fatal(models):
+def test_failed_builds_and_unavailable_candidates_are_recorded_not_fatal(models, absent_backend):
     engine = ek.build(
         models["mlp"], backend="auto", shapes=SHAPES,
-        candidates=[("onnxruntime", {"optimization_level": "fastest"}), "no-such-backend",
+        candidates=[("onnxruntime", {"optimization_level": "fastest"}), "absent",
                     ek.Candidate("onnxruntime", precision="int8"), "onnxruntime"],
         **QUICK,
     )  # fmt: skip
     records = engine.manifest["auto"]["candidates"]
     engine.close()
-    assert [r["status"] for r in records] == ["build error", "skipped", "build error", "passed"]
+    assert [r["status"] for r in records] == ["build error", "skipped", "skipped", "passed"]
     assert "optimization_level 'fastest'" in records[0]["error"]
-    assert "no backend named" in records[1]["error"]
-    assert "int8' needs calibration" in records[2]["error"]  # offered, but auto has no table
+    assert "absent runtime is not installed" in records[1]["error"]
+    assert "int8 needs calibration data" in records[2]["error"]  # offered, but no data given
 
 
-def test_no_passing_candidate_is_a_verification_error_with_every_result(models):
+def test_no_passing_candidate_is_a_verification_error_with_every_result(models, absent_backend):
     wrong = ek.Candidate("onnxruntime", model=models["broken"], label="broken")
     with pytest.raises(ek.VerificationError, match="broken: failed verification") as info:
         ek.build(models["mlp"], backend="auto", shapes=SHAPES, candidates=[wrong], **QUICK)
     assert info.value.report["auto"]["candidates"][0]["label"] == "broken"
     with pytest.raises(ek.BuildError, match="no candidate could be built"):
-        ek.build(models["mlp"], backend="auto", shapes=SHAPES, candidates=["no-such-backend"])
+        ek.build(models["mlp"], backend="auto", shapes=SHAPES, candidates=["absent"])
+    with pytest.raises(ek.UsageError, match="did you mean 'onnxruntime'"):
+        ek.build(models["mlp"], backend="auto", shapes=SHAPES, candidates=["onnxruntim"])
+
+
+def test_auto_builds_int8_candidates_with_the_calibration_data_given(models, tmp_path):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((64, 16)).astype(np.float32))
+    proc = run_cli(
+        "build", models["mlp"], "--backend", "auto", "--shapes", SHAPES_TEXT,
+        "--candidate", "onnxruntime", "--candidate", "onnxruntime", "precision=int8",
+        "--calib-data", tmp_path / "calib.npz", "--bench-duration", "0.15",
+        "-o", tmp_path / "best.ekit", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    records = stdout_json(proc)["auto"]["candidates"]
+    assert [(r["precision"], r["status"]) for r in records] == [
+        ("fp32", "passed"),
+        ("int8", "passed"),
+    ]
 
 
 def test_bad_auto_requests_are_usage_errors(models):

@@ -42,18 +42,14 @@ def built(mlp, tmp_path_factory):
 
 
 def test_compare_passes_the_equal_engine_and_flags_the_broken_one(mlp, built):
-    report = ek.compare(
-        mlp, [str(built["ok"]), str(built["broken"]), "onnxruntime", "no-such-backend"]
-    )
+    report = ek.compare(mlp, [str(built["ok"]), str(built["broken"]), "onnxruntime"])
     status = {b.label: b.status for b in report.backends}
     assert status == {
         str(built["ok"]): "passed",
         str(built["broken"]): "failed",
         "onnxruntime": "passed",
-        "no-such-backend": "skipped",
     }
     assert not report.passed
-    assert "no backend named 'no-such-backend'" in report.backends[3].reason
     # the random input sets are the engines' profile min, opt and max
     assert [s["x"] for s in report.shapes] == [(1, 16), (8, 16), (16, 16)]
     broken = report.backends[1].worst()["output"]
@@ -66,10 +62,17 @@ def test_an_engine_that_outputs_nan_fails(mlp, built):
     assert "NaN" in check.worst()["output"].error
 
 
-def test_skipped_backends_alone_do_not_pass_and_require_all_fails_on_a_skip(mlp):
-    assert not ek.compare(mlp, ["no-such-backend"], shapes=SHAPES).passed
-    assert ek.compare(mlp, ["onnxruntime", "no-such-backend"], shapes=SHAPES).passed
-    strict = ek.compare(mlp, ["onnxruntime", "no-such-backend"], shapes=SHAPES, require_all=True)
+def test_an_unknown_backend_name_is_a_usage_error_with_the_closest_name(mlp):
+    with pytest.raises(
+        ek.UsageError, match="no backend named 'onnxruntim'; did you mean 'onnxruntime'"
+    ):
+        ek.compare(mlp, ["onnxruntime", "onnxruntim"], shapes=SHAPES)
+
+
+def test_skipped_backends_alone_do_not_pass_and_require_all_fails_on_a_skip(mlp, absent_backend):
+    assert not ek.compare(mlp, ["absent"], shapes=SHAPES).passed
+    assert ek.compare(mlp, ["onnxruntime", "absent"], shapes=SHAPES).passed
+    strict = ek.compare(mlp, ["onnxruntime", "absent"], shapes=SHAPES, require_all=True)
     assert not strict.passed
 
 
@@ -139,8 +142,8 @@ def test_user_data_replaces_random_inputs_and_sets_the_build_shapes(mlp):
         ek.compare(mlp, ["onnxruntime"], data={"pixels": data[0]["x"]})
 
 
-def test_report_json_is_strict_json_with_every_entry(mlp, built):
-    report = ek.compare(mlp, [str(built["nan"]), "no-such-backend"], shapes=SHAPES)
+def test_report_json_is_strict_json_with_every_entry(mlp, built, absent_backend):
+    report = ek.compare(mlp, [str(built["nan"]), "absent"], shapes=SHAPES)
     data = json.loads(json.dumps(report.to_json(), allow_nan=False))
     assert data["schema"] == "enginekit.compare/1" and data["passed"] is False
     first = data["backends"][0]
@@ -152,7 +155,7 @@ def test_report_json_is_strict_json_with_every_entry(mlp, built):
 
 
 def test_cli_compare_exit_codes_json_and_golden(mlp, built, tmp_path):
-    ok = run_cli("compare", mlp, "--backends", "onnxruntime,no-such-backend",
+    ok = run_cli("compare", mlp, "--backends", "onnxruntime,absent",
                  "--shapes", SHAPES_TEXT, "--json")  # fmt: skip
     assert ok.returncode == 0, ok.stderr
     assert [b["status"] for b in stdout_json(ok)["backends"]] == ["passed", "skipped"]
@@ -163,15 +166,29 @@ def test_cli_compare_exit_codes_json_and_golden(mlp, built, tmp_path):
     assert "PASS" in saved.stdout and "gate: PASSED" in saved.stdout
 
     report = tmp_path / "r.json"
-    bad = run_cli("compare", "--engine", built["broken"], "--golden", golden, "--json", report)
+    bad = run_cli("compare", "--engine", built["broken"], "--golden", golden, "--json-file", report)
     assert bad.returncode == 3, bad.stderr
     assert "FAIL" in bad.stdout
     assert json.loads(report.read_text())["passed"] is False
 
-    nothing = run_cli("compare", mlp, "--backends", "no-such-backend", "--shapes", SHAPES_TEXT)
+    nothing = run_cli("compare", mlp, "--backends", "absent", "--shapes", SHAPES_TEXT)
     assert nothing.returncode == 1 and "every backend was skipped" in nothing.stderr
 
     usage = run_cli("compare", mlp, "--golden", golden, "--save-golden", tmp_path / "x.npz")
     assert usage.returncode == 2
     swallowed = run_cli("compare", "--candidate", "onnxruntime", mlp)
     assert swallowed.returncode == 2 and "goes before --candidate" in swallowed.stderr
+
+
+def test_inputs_of_the_wrong_rank_or_dtype_are_refused_like_engine_infer(mlp, tmp_path):
+    np.save(tmp_path / "rank.npy", np.ones((2, 4, 16), np.float32))
+    np.save(tmp_path / "f64.npy", np.ones((2, 16), np.float64))
+    for name, message in (
+        ("rank", "expected rank 2"),
+        ("f64", "expected dtype float32, got float64"),
+    ):
+        r = run_cli(
+            "compare", mlp, "--backends", "onnxruntime", "--input", f"x={tmp_path / name}.npy"
+        )
+        assert r.returncode == 1, r.stderr
+        assert message in r.stderr and "Traceback" not in r.stderr

@@ -395,3 +395,19 @@ def test_subclassed_keras_model_takes_its_inputs_from_examples(keras, tmp_path):
     assert _dims(inp) == ["batch", 5] and inp.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     named = onnx.load(ek.export(model, {"features": x}, tmp_path / "h2.onnx"))
     assert [i.name for i in named.graph.input] == ["features"]  # a dict names the inputs
+
+
+def test_an_export_after_the_users_own_keras_import_writes_nothing_to_stderr(tmp_path):
+    code = (
+        "import sys, keras, enginekit as ek\n"
+        "m = keras.Sequential([keras.Input((8, 8, 1), name='image'), keras.layers.Conv2D(2, 3),\n"
+        "                      keras.layers.Flatten(), keras.layers.Dense(3)])\n"
+        "print('--- export', file=sys.stderr, flush=True)\n"
+        "ek.export(m, None, 'k.onnx')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env["PYTHONPATH"] = str(Path(__file__).parents[2])
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env=env, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.split("--- export", 1)[1].strip() == ""

@@ -53,6 +53,27 @@ def test_corrupt_entry_is_evicted_and_counts_as_a_miss(tmp_path, artifact):
     with cache.lock(KEYS[0]):
         assert cache.fetch(KEYS[0], tmp_path / "out.ekit") is None
     assert not path.exists() and not (tmp_path / "out.ekit").exists()
+    assert cache.evicted == [KEYS[0]]
+
+
+def test_a_corrupt_cache_entry_is_reported_as_corrupt_and_rebuilt(project):
+    path = project.write(
+        f'[model]\nsource = "mlp.onnx"\n{MLP_SHAPES}[[engine]]\nbackend = "onnxruntime"\n'
+        "[bench]\nenabled = false\n"
+    )
+    cache = project.root / "cache"
+    first = run(path, out=project.root / "d1", cache=cache)
+    (stored,) = Cache(cache).entries()
+    data = bytearray(stored.path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    stored.path.write_bytes(bytes(data))
+    second = run(path, out=project.root / "d2", cache=cache)
+    assert first["entries"][0]["cache"] == "miss"
+    assert second["entries"][0]["cache"] == "corrupt, rebuilt"
+    assert (
+        "cached artifact failed its checksums; rebuilt"
+        in (project.root / "d2" / "report.md").read_text()
+    )
 
 
 def test_prune_removes_least_recently_used_first_and_keeps_locked(tmp_path, artifact):
@@ -165,3 +186,23 @@ def test_concurrent_builds_into_one_cache_do_not_corrupt_it(project):
     for i in range(2):
         leftovers = [p.name for p in (project.root / f"out{i}").iterdir() if p.name.startswith(".")]
         assert leftovers == []
+
+
+def test_a_cached_entry_reuses_its_bench_result_unless_rebench(project):
+    path = project.write(
+        f'[model]\nsource = "mlp.onnx"\n{MLP_SHAPES}[[engine]]\nbackend = "onnxruntime"\n'
+        "[bench]\nbatch_sizes = [4]\nduration = 0.1\n"
+    )
+    cache = project.root / "cache"
+    first = run(path, out=project.root / "d1", cache=cache)["entries"][0]
+    again = run(path, out=project.root / "d2", cache=cache)["entries"][0]
+    assert first["cache"] == "miss" and not first["bench"].get("reused")
+    assert again["cache"] == "hit" and again["bench"]["reused"] is True
+    assert again["bench"]["batches"] == first["bench"]["batches"]
+    assert "(reused)" in (project.root / "d2" / "report.md").read_text()
+    fresh = run(path, out=project.root / "d3", cache=cache, rebench=True)["entries"][0]
+    assert fresh["cache"] == "hit" and not fresh["bench"].get("reused")
+    assert (
+        fresh["bench"]["batches"][0]["round_throughputs"]
+        != first["bench"]["batches"][0]["round_throughputs"]
+    )

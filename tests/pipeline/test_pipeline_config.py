@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -214,7 +215,7 @@ def test_two_entries_with_one_artifact_name_are_refused(project):
     assert "engine[1]" in msg and "variant" in msg
 
 
-def test_unregistered_backend_warns_and_strict_refuses(project):
+def test_unregistered_backend_is_an_error_with_the_closest_name(project):
     path = project.write(
         f"""
         [model]
@@ -224,10 +225,25 @@ def test_unregistered_backend_warns_and_strict_refuses(project):
         backend = "onnxruntim"
         """
     )
-    (warning,) = load(path).warnings
-    assert warning.line == 7 and "did you mean 'onnxruntime'" in warning.message
-    with pytest.raises(ConfigError):
-        load(path, strict=True)
+    with pytest.raises(ConfigError) as info:
+        load(path)
+    (issue,) = info.value.issues
+    assert issue.line == 7 and "did you mean 'onnxruntime'" in issue.message
+
+
+def test_cli_typod_backend_exits_2_and_unavailable_with_strict_exits_1(project):
+    plugins = str(Path(__file__).parents[1] / "plugins")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), plugins])}
+    engines = '[[engine]]\nbackend = "onnxruntime"\n[[engine]]\nbackend = "{}"\n'
+    base = f'[model]\nsource = "mlp.onnx"\n{MLP_SHAPES}[bench]\nenabled = false\n'
+    typo = project.write(base + engines.format("tvn"))
+    r = cli("build", "-c", str(typo), "--out", str(project.root / "d1"), env=env)
+    assert r.returncode == 2 and "did you mean 'tvm'?" in r.stderr
+    absent = project.write(base + engines.format("absent"))
+    r = cli("build", "-c", str(absent), "--out", str(project.root / "d2"), env=env)
+    assert r.returncode == 0, r.stderr
+    r = cli("build", "-c", str(absent), "--strict", "--out", str(project.root / "d3"), env=env)
+    assert r.returncode == 1 and "absent runtime is not installed" in r.stdout + r.stderr
 
 
 def test_layout_list_names_each_entry(project, broken_backend, monkeypatch):

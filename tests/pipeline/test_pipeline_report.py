@@ -36,7 +36,8 @@ def test_wrong_engine_fails_the_accuracy_gate(project, broken_backend):
     assert report["exit_code"] == 3
     assert report["regressions"] == [f"mlp-broken-fp32: {gate['message']}"]
     md = (project.root / "dist" / "report.md").read_text()
-    assert "### Regressions" in md and "**mlp-broken-fp32**: max abs error" in md
+    assert "### Accuracy gates failed" in md and "**mlp-broken-fp32** (max_abs_error)" in md
+    assert "Regressions" not in md  # an accuracy failure is not a throughput regression
 
 
 def test_engine_failing_build_verification_exits_3(project, broken_backend):
@@ -169,7 +170,7 @@ def test_exit_3_when_a_gate_fails(project):
     )
     r = cli("build", "-c", str(path), "-o", str(project.root / "dist"), prelude=BROKEN)
     assert r.returncode == 3, r.stderr
-    assert "### Regressions" in r.stdout
+    assert "### Accuracy gates failed" in r.stdout
 
 
 def test_exit_2_when_the_build_file_is_invalid(project):
@@ -189,3 +190,24 @@ def test_exit_1_when_an_entry_cannot_build_under_strict(project):
     r = cli("build", "-c", str(path), "-o", str(project.root / "dist"), "--strict", env=env)
     assert r.returncode == 1, r.stderr
     assert "not available here" in r.stdout
+
+
+def test_an_int8_entry_slower_than_its_fp32_twin_gets_a_note():
+    from enginekit.pipeline.report import markdown
+
+    def entry(precision, rate):
+        return {
+            "id": f"m-onnxruntime-{precision}", "backend": "onnxruntime", "variant": None,
+            "precision": precision, "status": "built", "cache": "miss", "accuracy": {},
+            "gates": [], "reason": "", "bench": {"batches": [{"batch": 8, "throughput": rate}]},
+        }  # fmt: skip
+
+    report = {
+        "summary": {"entries": 2, "built": 2, "cached": 0, "skipped": 0, "failed": 0,
+                    "gates_failed": 0},
+        "exit_code": 0, "model": {"name": "m", "sha256": "0" * 64}, "baseline": None,
+        "entries": [entry("fp32", 2000.0), entry("int8", 1000.0)], "regressions": [],
+        "warnings": [], "timings": {}, "enginekit_version": "0",
+    }  # fmt: skip
+    md = markdown(report)
+    assert "### Notes" in md and "`m-onnxruntime-int8` runs at 0.50x the fp32 entry's" in md

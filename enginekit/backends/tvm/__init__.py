@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 NAME = "tvm"
 DYNAMIC = "model.so"
 PRECISIONS = ("fp32",)
+#: Distributions `enginekit backends` reads the version from without importing TVM (~2.5 s).
+PACKAGES = ("apache-tvm", "apache-tvm-ffi")
 KERNELS = "kernels.json"
 
 OPTIONS = {

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginekit.errors import BuildError
+from enginekit.progress import native_output_captured
 
 if TYPE_CHECKING:
     from enginekit.model import Model
@@ -253,8 +254,13 @@ def import_onnx(model: Model, shapes: Mapping[str, tuple[int, ...]] | None = Non
     check_ops(model)
     dtypes = {s.name: s.dtype for s in model.inputs}
     try:
-        with warnings.catch_warnings(), _registered():
-            # The frontend re-runs onnx.checker and turns its complaints into warnings.
+        # The frontend re-runs onnx.checker and turns its complaints into warnings, and prints
+        # "Error converting operator ..." itself: the BuildError below says it once.
+        with (
+            warnings.catch_warnings(),
+            _registered(),
+            native_output_captured("TVM frontend", False),
+        ):
             warnings.simplefilter("ignore")
             mod = from_onnx(
                 scalar_reshapes_to_unsqueeze(model.proto),

@@ -38,6 +38,8 @@ WEIGHTS = "weights.safetensors"
 #: bf16/fp16: weights and activations in that type, statistics and softmax in float32
 #: (``lower.WIDE_OPS``); inputs and outputs stay float32. Verification gates them.
 PRECISIONS = ("fp32", "bf16", "fp16")
+#: Distributions `enginekit backends` reads the version from without importing jax.
+PACKAGES = ("jax", "jaxlib", "safetensors")
 #: Layout used when the ``layout`` option is not given (measured: benchmarks/xla.py).
 DEFAULT_LAYOUT = "nhwc"
 

@@ -122,7 +122,7 @@ def test_cli_build_without_tensorrt_fails_with_exit_1_and_the_reason(tmp_path, c
 def test_cli_backends_lists_tensorrt_ops_and_precisions(capsys):
     import json
 
-    assert main(["backends", "--json"]) == 0
+    assert main(["backends", "--ops", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     trt = rows["tensorrt"]
     assert "Conv" in trt["supported_ops"] and trt["precisions"] == list(backend.PRECISIONS)
