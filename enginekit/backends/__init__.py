@@ -39,6 +39,7 @@ _BUILTIN: dict[str, str] = {
     "tensorrt": "enginekit.backends.tensorrt",
     "xla": "enginekit.backends.xla",
     "tvm": "enginekit.backends.tvm",
+    "openvino": "enginekit.backends.openvino",
 }
 
 
