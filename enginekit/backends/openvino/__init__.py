@@ -231,9 +231,9 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         compiled = ov.Core().compile_model(ov_model, "CPU", _compile_config(opts, precision))
     except Exception as exc:
         raise BuildError(f"OpenVINO cannot compile the model for CPU: {exc}") from None
-    effective = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+    effective = _type_name(str(compiled.get_property("INFERENCE_PRECISION_HINT")))
     expected = {"fp32": "f32", "int8": "f32", "bf16": "bf16", "fp16": "f16"}[precision]
-    if _type_name(effective) != expected:
+    if effective != expected:
         raise BuildError(
             f"OpenVINO computes this {precision} build in {effective} on this CPU: "
             f"{precision} is not native here. Build fp32, or bf16 where the CPU has it"
@@ -339,17 +339,27 @@ def load(artifact: Artifact, device: str, profiling: bool = False) -> Engine:
     return OvEngine(compiled, manifest, compiled_from="blob" if problem is None else "ir")
 
 
-def inspect(artifact: Artifact) -> dict[str, Any]:
-    """What the artifact holds and whether its compiled blob can be used on this host."""
+def inspect(artifact: Artifact, ir: bool = False) -> dict[str, Any]:
+    """What the artifact holds and whether its compiled blob can be used on this host
+    (``ir``: also the op types of the IR, counted)."""
     meta = artifact.manifest.get("backend", {}).get("metadata", {})
     problem = blob_problem(artifact.manifest)
-    return {
-        "payload": artifact.payload_names,
+    info: dict[str, Any] = {
         "inference_precision": meta.get("inference_precision"),
         "openvino_version": meta.get("openvino_version"),
         "blob_usable_here": problem is None,
         "blob_problem": problem,
     }
+    if ir:
+        import collections
+
+        ov_model = _ov().Core().read_model(
+            str(artifact.file(IR_XML)), str(artifact.file(IR_BIN))
+        )
+        info["ir_ops"] = dict(
+            collections.Counter(op.get_type_name() for op in ov_model.get_ordered_ops())
+        )
+    return info
 
 
 def qdq_options(config: BuildConfig) -> dict[str, Any]:
