@@ -9,6 +9,7 @@ table = ek.calibrate("model.onnx", calib_x)                      # INT8 ranges, 
 engine8 = ek.build("model.onnx", precision="int8", calibration=table, verify_data=val_x)
 report = ek.compare("model.onnx", backends=["onnxruntime"], shapes=...)  # report.passed gates CI
 result = ek.bench(engine, batch_sizes=[1, 8, 32], duration=5.0)
+print(ek.profile(engine, batch=8).table())                     # per-op times, GFLOP/s vs peak
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from enginekit.evaluate.bench import bench
 from enginekit.evaluate.candidates import Candidate
 from enginekit.evaluate.choose import build_auto
 from enginekit.evaluate.compare import compare
+from enginekit.evaluate.profile import ProfileReport, profile
 from enginekit.evaluate.report import BenchResult, CompareReport
 from enginekit.export import export
 from enginekit.model import Model, load_model
@@ -70,6 +72,7 @@ __all__ = [
     "Model",
     "ModelError",
     "Precision",
+    "ProfileReport",
     "ShapeProfile",
     "TensorSpec",
     "UsageError",
@@ -86,4 +89,5 @@ __all__ = [
     "load_model",
     "make_batch_dynamic",
     "parse_shapes",
+    "profile",
 ]

@@ -351,11 +351,14 @@ def _write(
 ) -> Engine:
     """Write the artifact (when asked) and give the engine its final manifest."""
     workdir = compiled.workdir
+    artifact = Artifact(workdir, manifest)
     if output is not None:
         with step(f"writing {output}"):
             written = write_artifact(output, manifest, workdir / "payload", compiled.result.files)
-        manifest = open_artifact(written).manifest
+        artifact = open_artifact(written)
+        manifest = artifact.manifest
     engine.manifest = manifest
+    engine.artifact = artifact
     # The engine may map payload files (native libraries): keep them until it is gone.
     weakref.finalize(engine, shutil.rmtree, workdir, True)
     return engine

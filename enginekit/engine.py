@@ -11,12 +11,15 @@ import concurrent.futures
 import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from enginekit.config import ShapeProfile
 from enginekit.errors import EngineInputError, EnginekitError
+
+if TYPE_CHECKING:
+    from enginekit.artifact import Artifact
 
 Dim = int | str
 
@@ -72,7 +75,11 @@ class Engine:
         outputs: output specs in the order ``infer`` returns them.
         profiles: the optimization profiles the engine was built for (empty: any size).
         manifest: the artifact manifest this engine was loaded from (empty if none).
+        artifact: the artifact it was loaded or built from (for tools that reopen its payload,
+            such as ``enginekit profile``); None for an engine made another way.
     """
+
+    artifact: Artifact | None = None
 
     def __init__(
         self,

@@ -193,4 +193,5 @@ def load(path: str | os.PathLike, device: str | None = None) -> Engine:
         )
     engine = be.load(artifact, str(device))
     engine.manifest = manifest
+    engine.artifact = artifact
     return engine

@@ -396,3 +396,64 @@ class OrtEngine(Engine):
 
     def _close(self) -> None:
         self.session = None
+
+
+# -- profile -----------------------------------------------------------------------------------
+
+
+def profile(artifact: Artifact, feeds: dict[str, np.ndarray], runs: int, warmup: int) -> list[Any]:
+    """Per-kernel times from ONNX Runtime's profiler (``enable_profiling``) on a session over
+    the artifact's payload with its options; warm-up runs are recorded and dropped."""
+    import json
+
+    from enginekit.backends.profiling import OpEvent, flops
+
+    ort = _ort()
+    options = dict(artifact.manifest["config"].get("options", {}))
+    providers = _providers(options, "cpu")
+    if providers != ["CPUExecutionProvider"]:
+        raise BuildError("profiling an ONNX Runtime engine works on its CPU provider only")
+    so = _session_options(options, "disable")
+    tmp = Path(tempfile.mkdtemp(prefix="enginekit-profile-"))
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp / "ort")
+    try:
+        session = ort.InferenceSession(artifact.read(PAYLOAD), so, providers=providers)
+        for _ in range(warmup + runs):
+            session.run(None, feeds)
+        trace = json.loads(Path(session.end_profiling()).read_text())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    run_starts = sorted(
+        e["ts"] for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"
+    )
+    recorded = run_starts[warmup:]
+    if len(recorded) != runs:
+        raise BuildError(
+            f"ONNX Runtime's profile holds {len(run_starts)} runs, expected {warmup + runs}"
+        )
+    origin = recorded[0]
+    events = []
+    for e in trace:
+        if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
+            continue
+        ts = e["ts"]
+        if ts < origin:
+            continue
+        run = sum(1 for s in recorded if s <= ts) - 1
+        args = e.get("args", {})
+        ins = [next(iter(t.values())) for t in args.get("input_type_shape", []) if t]
+        outs = [next(iter(t.values())) for t in args.get("output_type_shape", []) if t]
+        op = str(args.get("op_name", "?"))
+        events.append(
+            OpEvent(
+                name=e["name"][: -len("_kernel_time")],
+                op=op,
+                kernel=str(args.get("provider", "CPUExecutionProvider")),
+                run=run,
+                dur_us=float(e["dur"]),
+                start_us=float(ts - origin),
+                flops=flops(op, ins, outs[0] if outs else None),
+            )
+        )
+    return events

@@ -1,8 +1,8 @@
-"""The ``enginekit`` command line: build, run, inspect, backends, compare, bench, validate, cache,
-export-triton, export, prepare, calibrate.
+"""The ``enginekit`` command line: build, run, inspect, backends, compare, bench, profile, validate,
+cache, export-triton, export, prepare, calibrate.
 
 One module per command group (``build``; ``run``; ``inspect`` and ``backends``; ``compare`` and
-``bench`` in :mod:`~enginekit.cli.evaluate`; ``export`` and ``prepare``; ``calibrate``; the
+``bench`` in :mod:`~enginekit.cli.evaluate`; ``profile``; ``export`` and ``prepare``; ``calibrate``; the
 pipeline commands), each registering its commands with a function listed in :data:`COMMANDS`;
 what they share (exit codes, ``--json``, ``-O``, inputs, shapes) is :mod:`enginekit.cli.common`.
 
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from enginekit.cli import build, calibrate, evaluate, export, inspect, pipeline, run
+from enginekit.cli import build, calibrate, evaluate, export, inspect, pipeline, profile, run
 from enginekit.cli.common import EXIT_FAILURE, EXIT_USAGE, EXIT_VERIFY
 from enginekit.errors import EnginekitError, UsageError, VerificationError
 from enginekit.version import __version__
@@ -34,6 +34,7 @@ COMMANDS: list[Callable[[Any], None]] = [
     inspect.add_backends,
     evaluate.add_compare,
     evaluate.add_bench,
+    profile.add,
     pipeline.add_validate,
     pipeline.add_cache,
     pipeline.add_export_triton,

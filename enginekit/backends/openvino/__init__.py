@@ -366,3 +366,51 @@ def qdq_options(config: BuildConfig) -> dict[str, Any]:
     """Q/DQ layout for int8: uint8 activations, per-channel int8 weights (what OpenVINO's
     low-precision transformations match); no 7-bit weights (OpenVINO handles saturation)."""
     return {"style": "onnxruntime-cpu", "per_channel": True, "reduce_range": False}
+
+
+# -- profile -----------------------------------------------------------------------------------
+
+
+def profile(artifact: Artifact, feeds: dict[str, Any], runs: int, warmup: int) -> list[Any]:
+    """Per-node times from OpenVINO's performance counters (``PERF_COUNT``) on the artifact
+    compiled with them on; FLOPs from the runtime graph's shapes of the last run."""
+    from enginekit.backends.profiling import OpEvent, flops
+
+    engine = load(artifact, "cpu", profiling=True)
+    try:
+        request = engine.compiled.create_infer_request()
+        tensors = engine._tensors(feeds)
+        for _ in range(warmup):
+            request.infer(tensors)
+        per_run = []
+        for _ in range(runs):
+            request.infer(tensors)
+            per_run.append(
+                [
+                    (p.node_name, p.node_type, p.exec_type, p.real_time.total_seconds() * 1e6)
+                    for p in request.profiling_info
+                    if str(p.status).endswith("EXECUTED") and "NOT_RUN" not in str(p.status)
+                ]
+            )
+        shapes = _runtime_shapes(engine.compiled)
+    finally:
+        engine.close()
+    events = []
+    for run, records in enumerate(per_run):
+        for name, op, kernel, us in records:
+            ins, out = shapes.get(name, ((), None))
+            events.append(OpEvent(name, op, kernel, run, us, None, flops(op, ins, out)))
+    return events
+
+
+def _runtime_shapes(compiled: Any) -> dict[str, tuple[list[list[int]], list[int] | None]]:
+    """Node name -> (input shapes, first output shape), where static in the runtime graph."""
+    out = {}
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        try:
+            ins = [list(op.input(i).get_partial_shape().to_shape()) for i in range(op.get_input_size())]
+            first = list(op.output(0).get_partial_shape().to_shape()) if op.get_output_size() else None
+        except Exception:  # a dynamic dim: no FLOP count for this node
+            continue
+        out[op.get_friendly_name()] = (ins, first)
+    return out
