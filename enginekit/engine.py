@@ -11,15 +11,12 @@ import concurrent.futures
 import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from enginekit.config import ShapeProfile
 from enginekit.errors import EngineInputError, EnginekitError
-
-if TYPE_CHECKING:
-    from enginekit.artifact import Artifact
 
 Dim = int | str
 
@@ -79,7 +76,9 @@ class Engine:
             such as ``enginekit profile``); None for an engine made another way.
     """
 
-    artifact: Artifact | None = None
+    # An enginekit.artifact.Artifact; typed Any because artifact.py sits beside this module and
+    # imports model.py, which imports this one (no cycle, not even a type-only one).
+    artifact: Any = None
 
     def __init__(
         self,
