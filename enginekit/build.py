@@ -288,7 +288,8 @@ def _manifest(
         "config": config.to_json(),
         "inputs": [s.to_json() for s in graph.reference.inputs],
         "outputs": [s.to_json() for s in graph.reference.outputs],
-        "passes": [p.to_json() for p in graph.passes],
+        # Graph passes, then those the backend ran itself (e.g. ONNX Runtime's fusions).
+        "passes": [p.to_json() for p in graph.passes] + list(result.metadata.get("passes", [])),
         "profiles": config.to_json()["profiles"],
         "precision": config.precision.value,
         "calibration": graph.quantized.entry,

@@ -51,6 +51,9 @@ OPTIONS = {
     "int8_reduce_range": "7-bit int8 weights: auto (default: on for CPUs without VNNI, where "
     "uint8 x int8 products can saturate), true or false",
     "keep_io_types": "fp16/bf16: keep inputs and outputs float32 (default true)",
+    "transformer_fusions": "fp32 on CPU: ONNX Runtime's transformer optimizer (Attention, "
+    "SkipLayerNormalization, BiasGelu, ...): auto (default: on encoder/decoder graphs, kept where "
+    "measured faster at the opt shapes), bert or gpt2 (force that model type), off",
     "trt_options": "TensorRT provider: extra raw provider options (dict) over the generated "
     "profile, precision and engine-cache options",
 }
@@ -219,6 +222,10 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     out = workdir / PAYLOAD
     so.optimized_model_filepath = str(out)
     data = _convert(model, config)
+    passes = []
+    if config.precision.value == "fp32" and providers == ["CPUExecutionProvider"]:
+        data, record = _transformer_fusions(model, config, options, level, providers)
+        passes = [record.to_json()] if record is not None else []
     try:
         ort.InferenceSession(
             data, so, providers=providers,
@@ -229,9 +236,37 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     requires = sorted(target.cpu_flags()) if level == "all" else []
     return BuildResult(
         files=(PAYLOAD,),
-        metadata={"optimization_level": level, "providers": providers},
+        metadata={"optimization_level": level, "providers": providers, "passes": passes},
         target={"kind": "cpu" if config.device == "cpu" else "cuda", "requires": requires},
     )
+
+
+def _transformer_fusions(
+    model: Model, config: BuildConfig, options: dict[str, Any], level: str, providers: list[str]
+) -> tuple[bytes, Any]:
+    """The model bytes with ONNX Runtime's transformer fusions where they measure faster."""
+    import difflib
+
+    from enginekit.backends import ort_fusions
+    from enginekit.model import concrete_shapes, random_feeds
+
+    mode = str(options.get("transformer_fusions", "auto")).lower()
+    if mode not in ort_fusions.MODES:
+        close = difflib.get_close_matches(mode, ort_fusions.MODES, n=1)
+        raise BuildError(
+            f"transformer_fusions {mode!r}: expected one of {', '.join(ort_fusions.MODES)}"
+            + (f"; did you mean {close[0]!r}?" if close else "")
+        )
+    try:
+        profile = config.profiles[0] if config.profiles else None
+        feeds = random_feeds(model.inputs, concrete_shapes(model.inputs, profile, "opt"), config.seed)
+    except BuildError:
+        feeds = None  # symbolic dims without a profile: nothing to time on
+
+    def session(data: bytes) -> Any:
+        return _ort().InferenceSession(data, _session_options(options, level), providers=providers)
+
+    return ort_fusions.choose(model.proto, mode, session, feeds)
 
 
 def _build_trt(
