@@ -166,7 +166,11 @@ def enginekit_engines(w: Workload, backends: list[str]) -> dict[str, Any]:
     """Every backend x precision this host can build; a failed build is reported, not fatal."""
     out: dict[str, Any] = {}
     for name in backends:
-        avail = ek.backends.availability(name)
+        try:
+            avail = ek.backends.availability(name)
+        except ek.BackendUnavailable as exc:  # not registered at all
+            out[f"enginekit {name}"] = f"unavailable: {exc}"
+            continue
         if not avail.available:
             out[f"enginekit {name}"] = f"unavailable: {avail.reason}"
             continue
@@ -283,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     backends = ["onnxruntime", "openvino"] if quick else args.backends.split(",")
     cache = Path(args.cache or tempfile.mkdtemp(prefix="enginekit-peer-"))
     cache.mkdir(parents=True, exist_ok=True)
-    print(f"host: {target.cpu_name()}, {os.cpu_count()} cores; ISA: {' '.join(sorted(target.cpu_flags()))}")
+    print(
+        f"host: {target.cpu_name()}, {os.cpu_count()} cores; ISA: {' '.join(sorted(target.cpu_flags()))}"
+    )
     print(f"enginekit {ek.__version__}; {rounds} interleaved rounds per engine; a loaded machine "
           "shows in the absolute times, much less in the ratios\n")  # fmt: skip
     rows: list[dict[str, Any]] = []

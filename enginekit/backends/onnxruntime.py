@@ -259,7 +259,9 @@ def _transformer_fusions(
         )
     try:
         profile = config.profiles[0] if config.profiles else None
-        feeds = random_feeds(model.inputs, concrete_shapes(model.inputs, profile, "opt"), config.seed)
+        feeds = random_feeds(
+            model.inputs, concrete_shapes(model.inputs, profile, "opt"), config.seed
+        )
     except BuildError:
         feeds = None  # symbolic dims without a profile: nothing to time on
 

@@ -64,9 +64,7 @@ CONV_OPS = frozenset({"Conv", "FusedConv", "NhwcFusedConv", "QLinearConv", "Conv
                       "Convolution", "GroupConvolution", "ConvTranspose"})  # fmt: skip
 
 
-def flops(
-    op: str, inputs: Sequence[Sequence[int]], output: Sequence[int] | None
-) -> float | None:
+def flops(op: str, inputs: Sequence[Sequence[int]], output: Sequence[int] | None) -> float | None:
     """FLOPs of one kernel from its input and output shapes, for matmuls and convolutions
     (None for other ops, or when a shape needed is missing)."""
     if output is None or not inputs:

@@ -34,7 +34,9 @@ def add(sub: Any) -> None:
     p.add_argument("--runs", type=int, default=10, help="recorded runs (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="unrecorded runs first (default 3)")
     p.add_argument("--top", type=int, default=15, help="ops listed (default 15)")
-    p.add_argument("--trace", metavar="OUT.json", help="also write a Chrome trace (chrome://tracing, Perfetto)")
+    p.add_argument(
+        "--trace", metavar="OUT.json", help="also write a Chrome trace (chrome://tracing, Perfetto)"
+    )
     add_json_report(p)
     p.set_defaults(func=cmd_profile)
 

@@ -137,7 +137,10 @@ class ProfileReport:
                 f"{f'... {len(rest)} more ops':<84} {sum(o.ms for o in rest):8.3f} "
                 f"{sum(o.share for o in rest):6.1%}"
             )
-        lines += ["", "by op type: " + ", ".join(f"{k} {s:.0%}" for k, _, s in self.by_op_type()[:8])]
+        lines += [
+            "",
+            "by op type: " + ", ".join(f"{k} {s:.0%}" for k, _, s in self.by_op_type()[:8]),
+        ]
         return "\n".join(lines)
 
     def chrome_trace(self) -> dict[str, Any]:

@@ -68,9 +68,12 @@ def test_blob_for_other_cpu_flags_falls_back_to_the_ir(cnn_artifact, onnx_model,
     _fake_host(monkeypatch, set(target.cpu_flags()) - {"avx512_vnni"} | {"sse4_1"})
     engine = ek.load(cnn_artifact)
     assert engine.compiled_from == "ir"
-    assert "other ISA flags" in ek.backends.get("openvino").inspect(
-        ek.artifact.open_artifact(cnn_artifact)
-    )["blob_problem"]
+    assert (
+        "other ISA flags"
+        in ek.backends.get("openvino").inspect(ek.artifact.open_artifact(cnn_artifact))[
+            "blob_problem"
+        ]
+    )
     feeds = CASES["cnn"].feeds(2)
     np.testing.assert_allclose(
         engine.infer(feeds)["output"], reference(onnx_model("cnn"), feeds)["output"], 1e-3, 1e-4

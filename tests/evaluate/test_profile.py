@@ -70,7 +70,9 @@ def test_unsupported_backend_error_names_the_backends_that_profile(mlp_path):
     if not backends.availability("xla").available:
         pytest.skip("xla is not installed")
     engine = ek.build(mlp_path, backend="xla", shapes={"x": [(1, 16), (4, 16), (8, 16)]})
-    with pytest.raises(ek.UsageError, match="not supported by the xla backend.*onnxruntime.*openvino"):
+    with pytest.raises(
+        ek.UsageError, match="not supported by the xla backend.*onnxruntime.*openvino"
+    ):
         ek.profile(engine)
     assert {"onnxruntime", "openvino"} <= set(supported())
 
@@ -97,8 +99,9 @@ def test_cli_profile_prints_table_json_and_writes_trace(artifacts, tmp_path):
     assert "op time" in table.stdout and "trace written to" in table.stdout
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     data = json.loads(
-        subprocess.run([*run, "--batch", "3", "--json"], capture_output=True, text=True,
-                       check=True).stdout  # fmt: skip
+        subprocess.run(
+            [*run, "--batch", "3", "--json"], capture_output=True, text=True, check=True
+        ).stdout
     )
     assert data["shapes"] == {"x": [3, 3, 16, 16]} and data["ops"][0]["share"] > 0
     bad = subprocess.run([*run, "--top", "0"], capture_output=True, text=True)

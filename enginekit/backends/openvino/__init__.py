@@ -30,6 +30,7 @@ from enginekit.errors import ArtifactError, BackendUnavailable, BuildError
 
 if TYPE_CHECKING:
     from enginekit.artifact import Artifact
+    from enginekit.backends.openvino.runtime import OvEngine
     from enginekit.config import BuildConfig, ShapeProfile
     from enginekit.engine import Engine
     from enginekit.model import Model
@@ -206,7 +207,10 @@ def read_model(model_bytes: bytes, profiles: tuple[dict[str, ShapeProfile], ...]
             name = port.get_any_name()
             if name in bounds:
                 shapes[name] = ov.PartialShape(
-                    [ov.Dimension(lo) if lo == hi else ov.Dimension(lo, hi) for lo, hi in bounds[name]]
+                    [
+                        ov.Dimension(lo) if lo == hi else ov.Dimension(lo, hi)
+                        for lo, hi in bounds[name]
+                    ]
                 )
         try:
             model.reshape(shapes)
@@ -254,7 +258,9 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
             "streams": int(compiled.get_property("NUM_STREAMS")),
             "threads": int(compiled.get_property("INFERENCE_NUM_THREADS")),
             "optimal_requests": int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS")),
-            "blob": {"cpu_flags": sorted(target.cpu_flags())} if opts.export == "compiled" else None,
+            "blob": {"cpu_flags": sorted(target.cpu_flags())}
+            if opts.export == "compiled"
+            else None,
         },
         # The IR runs on any CPU OpenVINO supports; bf16/fp16 need one of their ISA flags,
         # checked on load (the blob's own flags are checked there too, with the IR as fallback).
@@ -295,7 +301,7 @@ def blob_problem(manifest: Mapping[str, Any]) -> str | None:
     return None
 
 
-def load(artifact: Artifact, device: str, profiling: bool = False) -> Engine:
+def load(artifact: Artifact, device: str, profiling: bool = False) -> OvEngine:
     """Import the compiled blob when it was made for this OpenVINO and CPU, else compile the IR.
 
     Args:
@@ -325,7 +331,9 @@ def load(artifact: Artifact, device: str, profiling: bool = False) -> Engine:
             problem = f"OpenVINO refused it: {exc}"
     if compiled is None:
         if not profiling:
-            log.info("openvino: compiling the IR on load: the compiled blob is unusable (%s)", problem)
+            log.info(
+                "openvino: compiling the IR on load: the compiled blob is unusable (%s)", problem
+            )
         try:
             ov_model = core.read_model(str(artifact.file(IR_XML)), str(artifact.file(IR_BIN)))
             compiled = core.compile_model(ov_model, "CPU", ov_config)
@@ -353,9 +361,7 @@ def inspect(artifact: Artifact, ir: bool = False) -> dict[str, Any]:
     if ir:
         import collections
 
-        ov_model = _ov().Core().read_model(
-            str(artifact.file(IR_XML)), str(artifact.file(IR_BIN))
-        )
+        ov_model = _ov().Core().read_model(str(artifact.file(IR_XML)), str(artifact.file(IR_BIN)))
         info["ir_ops"] = dict(
             collections.Counter(op.get_type_name() for op in ov_model.get_ordered_ops())
         )
@@ -408,8 +414,12 @@ def _runtime_shapes(compiled: Any) -> dict[str, tuple[list[list[int]], list[int]
     out = {}
     for op in compiled.get_runtime_model().get_ordered_ops():
         try:
-            ins = [list(op.input(i).get_partial_shape().to_shape()) for i in range(op.get_input_size())]
-            first = list(op.output(0).get_partial_shape().to_shape()) if op.get_output_size() else None
+            ins = [
+                list(op.input(i).get_partial_shape().to_shape()) for i in range(op.get_input_size())
+            ]
+            first = (
+                list(op.output(0).get_partial_shape().to_shape()) if op.get_output_size() else None
+            )
         except Exception:  # a dynamic dim: no FLOP count for this node
             continue
         out[op.get_friendly_name()] = (ins, first)
