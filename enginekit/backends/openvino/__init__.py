@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from enginekit.artifact import Artifact
     from enginekit.backends.openvino.runtime import OvEngine
     from enginekit.config import BuildConfig, ShapeProfile
-    from enginekit.engine import Engine
     from enginekit.model import Model
 
 log = logging.getLogger(__name__)
