@@ -301,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             p.error(f"unknown model {model!r}: resnet50 or bert")
         print(f"{w.name}: building and timing", file=sys.stderr)
-        rows += measure(w, backends, rounds)
-    print_table(rows)
+        done = measure(w, backends, rounds)
+        print_table(done)  # each model as it finishes: a long run shows results early
+        print(flush=True)
+        rows += done
     if args.json:
         Path(args.json).write_text(json.dumps({"host": target.host(), "rows": rows}, indent=2))
     return 0
