@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import io
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -222,16 +221,71 @@ def read_model(model_bytes: bytes, profiles: tuple[dict[str, ShapeProfile], ...]
 
 
 def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
-    """Read, reshape and compile the model; write the compiled blob and the IR."""
-    ov = _ov()
+    """Read, reshape and compile the model; write the compiled blob and the IR.
+
+    The work runs in a fresh process (``blob.py``): OpenVINO names the nodes it creates from
+    process-wide counters, so only a fresh process writes the same IR and blob bytes for the
+    same model and options (reproducible builds: same payload checksums).
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
     opts = parse_options(config.options)
     precision = config.precision.value
     why = _precision_support(precision)
     if why:
         raise BuildError(why)
-    ov_model = read_model(model.to_bytes(), config.profiles)
+    source = workdir / "source.onnx"
+    source.write_bytes(model.to_bytes())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     try:
-        compiled = ov.Core().compile_model(ov_model, "CPU", _compile_config(opts, precision))
+        done = subprocess.run(
+            [sys.executable, "-m", "enginekit.backends.openvino.blob", str(source), str(workdir),
+             json.dumps(config.to_json(), default=str)],
+            capture_output=True, text=True, env=env, check=False,
+        )  # fmt: skip
+    finally:
+        source.unlink(missing_ok=True)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or ["no message"]
+        message = next((ln for ln in reversed(lines) if ln.startswith("BuildError: ")), lines[-1])
+        raise BuildError(message.removeprefix("BuildError: "))
+    metadata = json.loads(done.stdout.strip().splitlines()[-1])
+    files = (IR_XML, IR_BIN) if opts.export == "ir" else (BLOB, IR_XML, IR_BIN)
+    return BuildResult(
+        files=files,
+        metadata={
+            "openvino_version": version(),
+            **metadata,
+            "performance_hint": opts.performance_hint,
+            "blob": {"cpu_flags": sorted(target.cpu_flags())}
+            if opts.export == "compiled"
+            else None,
+        },
+        # The IR runs on any CPU OpenVINO supports; bf16/fp16 need one of their ISA flags,
+        # checked on load (the blob's own flags are checked there too, with the IR as fallback).
+        target={"kind": "cpu", "requires": [], "requires_any": list(_ISA.get(precision, ()))},
+    )
+
+
+def compile_to(source: Path, config: BuildConfig, workdir: Path) -> dict[str, Any]:
+    """What ``build``'s fresh process does: ONNX -> bounded ov.Model -> IR, compiled (and
+    exported unless ``export='ir'``); returns the compiled model's facts for the manifest."""
+    import io as _io
+
+    ov = _ov()
+    opts = parse_options(config.options)
+    precision = config.precision.value
+    ov_model = read_model(source.read_bytes(), config.profiles)
+    ov.save_model(ov_model, str(workdir / IR_XML), compress_to_fp16=False)
+    core = ov.Core()
+    try:
+        compiled = core.compile_model(
+            core.read_model(str(workdir / IR_XML), str(workdir / IR_BIN)), "CPU",
+            _compile_config(opts, precision),
+        )  # fmt: skip
     except Exception as exc:
         raise BuildError(f"OpenVINO cannot compile the model for CPU: {exc}") from None
     effective = _type_name(str(compiled.get_property("INFERENCE_PRECISION_HINT")))
@@ -241,30 +295,16 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
             f"OpenVINO computes this {precision} build in {effective} on this CPU: "
             f"{precision} is not native here. Build fp32, or bf16 where the CPU has it"
         )
-    ov.save_model(ov_model, str(workdir / IR_XML), compress_to_fp16=False)
-    files: tuple[str, ...] = (IR_XML, IR_BIN)
     if opts.export == "compiled":
-        stream = io.BytesIO()
+        stream = _io.BytesIO()
         compiled.export_model(stream)
         (workdir / BLOB).write_bytes(stream.getvalue())
-        files = (BLOB, *files)
-    return BuildResult(
-        files=files,
-        metadata={
-            "openvino_version": version(),
-            "inference_precision": effective,
-            "performance_hint": opts.performance_hint,
-            "streams": int(compiled.get_property("NUM_STREAMS")),
-            "threads": int(compiled.get_property("INFERENCE_NUM_THREADS")),
-            "optimal_requests": int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS")),
-            "blob": {"cpu_flags": sorted(target.cpu_flags())}
-            if opts.export == "compiled"
-            else None,
-        },
-        # The IR runs on any CPU OpenVINO supports; bf16/fp16 need one of their ISA flags,
-        # checked on load (the blob's own flags are checked there too, with the IR as fallback).
-        target={"kind": "cpu", "requires": [], "requires_any": list(_ISA.get(precision, ()))},
-    )
+    return {
+        "inference_precision": effective,
+        "streams": int(compiled.get_property("NUM_STREAMS")),
+        "threads": int(compiled.get_property("INFERENCE_NUM_THREADS")),
+        "optimal_requests": int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS")),
+    }
 
 
 def _type_name(ov_type: str) -> str:
