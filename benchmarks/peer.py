@@ -97,6 +97,8 @@ def resnet50(cache: Path, size: int, batches: tuple[int, ...], quick: bool) -> W
 
 def bert(cache: Path, batch: int, seq: int, quick: bool) -> Workload:
     import torch
+
+    _torchvision()  # transformers imports torchvision when it is installed: the schemas first
     from transformers import BertConfig, BertModel
 
     config = BertConfig(attn_implementation="eager")
