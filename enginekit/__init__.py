@@ -13,6 +13,7 @@ with ek.Batcher(engine, max_delay_ms=2.0) as batcher:          # many small requ
     row = batcher.infer(x[0])                                    # or submit() / await infer_async()
 summary = ek.infer_dataset("m.ekit", "data.parquet", "preds/")    # resumable batch inference
 ds = ek.ray.map_engine(ray_dataset, "m.ekit")                      # the same on Ray Data
+print(ek.profile(engine, batch=8).table())                     # per-op times, GFLOP/s vs peak
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from enginekit.evaluate.bench import bench
 from enginekit.evaluate.candidates import Candidate
 from enginekit.evaluate.choose import build_auto
 from enginekit.evaluate.compare import compare
+from enginekit.evaluate.profile import ProfileReport, profile
 from enginekit.evaluate.report import BenchResult, CompareReport
 from enginekit.export import export
 from enginekit.model import Model, load_model
@@ -101,6 +103,7 @@ __all__ = [
     "Model",
     "ModelError",
     "Precision",
+    "ProfileReport",
     "QueueFull",
     "ShapeProfile",
     "TensorSpec",
@@ -119,4 +122,5 @@ __all__ = [
     "load_model",
     "make_batch_dynamic",
     "parse_shapes",
+    "profile",
 ]

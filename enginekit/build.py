@@ -301,7 +301,8 @@ def _manifest(
         "config": config.to_json(),
         "inputs": [s.to_json() for s in graph.reference.inputs],
         "outputs": [s.to_json() for s in graph.reference.outputs],
-        "passes": [p.to_json() for p in graph.passes],
+        # Graph passes, then those the backend ran itself (e.g. ONNX Runtime's fusions).
+        "passes": [p.to_json() for p in graph.passes] + list(result.metadata.get("passes", [])),
         "profiles": config.to_json()["profiles"],
         "precision": config.precision.value,
         "calibration": graph.quantized.entry,
@@ -374,11 +375,14 @@ def _write(
 ) -> Engine:
     """Write the artifact (when asked) and give the engine its final manifest."""
     workdir = compiled.workdir
+    artifact = Artifact(workdir, manifest)
     if output is not None:
         with step(f"writing {output}"):
             written = write_artifact(output, manifest, workdir / "payload", compiled.result.files)
-        manifest = open_artifact(written).manifest
+        artifact = open_artifact(written)
+        manifest = artifact.manifest
     engine.manifest = manifest
+    engine.artifact = artifact
     # The engine may map payload files (native libraries): keep them until it is gone.
     weakref.finalize(engine, shutil.rmtree, workdir, True)
     return engine

@@ -72,7 +72,13 @@ class Engine:
         outputs: output specs in the order ``infer`` returns them.
         profiles: the optimization profiles the engine was built for (empty: any size).
         manifest: the artifact manifest this engine was loaded from (empty if none).
+        artifact: the artifact it was loaded or built from (for tools that reopen its payload,
+            such as ``enginekit profile``); None for an engine made another way.
     """
+
+    # An enginekit.artifact.Artifact; typed Any because artifact.py sits beside this module and
+    # imports model.py, which imports this one (no cycle, not even a type-only one).
+    artifact: Any = None
 
     def __init__(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 from compare_helpers import ROOT
@@ -44,3 +45,39 @@ def test_no_benchmark_script_shadows_a_package_it_imports():
         spec = importlib.util.find_spec(script.stem)
         # Namespace packages (tests/backends under pytest) have no origin and shadow nothing.
         assert spec is None or spec.origin is None, f"{script.name} shadows {spec.origin}"
+
+
+@pytest.fixture(scope="module")
+def peer():
+    spec = importlib.util.spec_from_file_location("bench_peer", ROOT / "benchmarks" / "peer.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_peer"] = module  # its dataclasses resolve annotations through it
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["bench_peer"]
+
+
+@pytest.mark.slow
+def test_peer_suite_times_every_engine_interleaved_with_accuracy(peer, onnx_model, capsys):
+    # peer.py --quick exports ResNet-18 and a tiny BERT (minutes here); this runs the same
+    # measuring code on the conformance CNN, which the suite has exported already.
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    shapes = {"x": [(1, 3, 16, 16), (4, 3, 16, 16), (4, 3, 16, 16)]}
+    batches = tuple({"x": rng.standard_normal((b, 3, 16, 16)).astype(np.float32)} for b in (1, 4))
+    calib = {"x": rng.standard_normal((20, 3, 16, 16)).astype(np.float32)}
+    w = peer.Workload("cnn", onnx_model("cnn"), batches, shapes, calib)
+    rows = peer.measure(w, ["onnxruntime", "openvino", "no-such-backend"], rounds=1)
+    engines = {r["engine"] for r in rows}
+    assert {"onnxruntime session (plain)", "openvino default", "openvino f32",
+            "enginekit onnxruntime fp32", "enginekit onnxruntime int8",
+            "enginekit openvino fp32", "enginekit openvino int8"} <= engines  # fmt: skip
+    timed = [r for r in rows if "ms" in r]
+    assert {r["batch"] for r in timed} == {1, 4}
+    plain = [r for r in timed if r["engine"] == "onnxruntime session (plain)"]
+    assert all(r["vs_ort"] == 1.0 and r["cosine"] == pytest.approx(1.0) for r in plain)
+    assert all(r["cosine"] > 0.99 and 0 <= r["top1"] <= 1 for r in timed)
+    assert any("unavailable" in r.get("note", "") for r in rows if "no-such" in r["engine"])
+    peer.print_table(rows)
+    assert "vs OV def" in capsys.readouterr().out

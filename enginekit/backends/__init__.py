@@ -51,6 +51,7 @@ _BUILTIN: dict[str, str] = {
     "tensorrt": "enginekit.backends.tensorrt",
     "xla": "enginekit.backends.xla",
     "tvm": "enginekit.backends.tvm",
+    "openvino": "enginekit.backends.openvino",
 }
 
 
@@ -251,4 +252,5 @@ def load(path: str | os.PathLike, device: str | None = None) -> Engine:
     with native_stderr(f"loading {path} on {name}"):
         engine = be.load(artifact, str(device))
     engine.manifest = manifest
+    engine.artifact = artifact
     return engine

@@ -53,6 +53,9 @@ OPTIONS = {
     "int8_reduce_range": "7-bit int8 weights: auto (default: on for CPUs without VNNI, where "
     "uint8 x int8 products can saturate), true or false",
     "keep_io_types": "fp16/bf16: keep inputs and outputs float32 (default true)",
+    "transformer_fusions": "fp32 on CPU: ONNX Runtime's transformer optimizer (Attention, "
+    "SkipLayerNormalization, BiasGelu, ...): auto (default: on encoder/decoder graphs, kept where "
+    "measured faster at the opt shapes), bert or gpt2 (force that model type), off",
     "trt_options": "TensorRT provider: extra raw provider options (dict) over the generated "
     "profile, precision and engine-cache options",
 }
@@ -222,6 +225,10 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     out = workdir / PAYLOAD
     so.optimized_model_filepath = str(out)
     data = _convert(model, config)
+    passes = []
+    if config.precision.value == "fp32" and providers == ["CPUExecutionProvider"]:
+        data, record = _transformer_fusions(model, config, options, level, providers)
+        passes = [record.to_json()] if record is not None else []
     try:
         ort.InferenceSession(
             data, so, providers=providers,
@@ -232,9 +239,39 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     requires = sorted(target.cpu_flags()) if level == "all" else []
     return BuildResult(
         files=(PAYLOAD,),
-        metadata={"optimization_level": level, "providers": providers},
+        metadata={"optimization_level": level, "providers": providers, "passes": passes},
         target={"kind": "cpu" if config.device == "cpu" else "cuda", "requires": requires},
     )
+
+
+def _transformer_fusions(
+    model: Model, config: BuildConfig, options: dict[str, Any], level: str, providers: list[str]
+) -> tuple[bytes, Any]:
+    """The model bytes with ONNX Runtime's transformer fusions where they measure faster."""
+    import difflib
+
+    from enginekit.backends import ort_fusions
+    from enginekit.model import concrete_shapes, random_feeds
+
+    mode = str(options.get("transformer_fusions", "auto")).lower()
+    if mode not in ort_fusions.MODES:
+        close = difflib.get_close_matches(mode, ort_fusions.MODES, n=1)
+        raise BuildError(
+            f"transformer_fusions {mode!r}: expected one of {', '.join(ort_fusions.MODES)}"
+            + (f"; did you mean {close[0]!r}?" if close else "")
+        )
+    try:
+        profile = config.profiles[0] if config.profiles else None
+        feeds = random_feeds(
+            model.inputs, concrete_shapes(model.inputs, profile, "opt"), config.seed
+        )
+    except BuildError:
+        feeds = None  # symbolic dims without a profile: nothing to time on
+
+    def session(data: bytes) -> Any:
+        return _ort().InferenceSession(data, _session_options(options, level), providers=providers)
+
+    return ort_fusions.choose(model.proto, mode, session, feeds)
 
 
 def _build_trt(
@@ -400,3 +437,64 @@ class OrtEngine(Engine):
 
     def _close(self) -> None:
         self.session = None
+
+
+# -- profile -----------------------------------------------------------------------------------
+
+
+def profile(artifact: Artifact, feeds: dict[str, np.ndarray], runs: int, warmup: int) -> list[Any]:
+    """Per-kernel times from ONNX Runtime's profiler (``enable_profiling``) on a session over
+    the artifact's payload with its options; warm-up runs are recorded and dropped."""
+    import json
+
+    from enginekit.backends.profiling import OpEvent, flops
+
+    ort = _ort()
+    options = dict(artifact.manifest["config"].get("options", {}))
+    providers = _providers(options, "cpu")
+    if providers != ["CPUExecutionProvider"]:
+        raise BuildError("profiling an ONNX Runtime engine works on its CPU provider only")
+    so = _session_options(options, "disable")
+    tmp = Path(tempfile.mkdtemp(prefix="enginekit-profile-"))
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp / "ort")
+    try:
+        session = ort.InferenceSession(artifact.read(PAYLOAD), so, providers=providers)
+        for _ in range(warmup + runs):
+            session.run(None, feeds)
+        trace = json.loads(Path(session.end_profiling()).read_text())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    run_starts = sorted(
+        e["ts"] for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"
+    )
+    recorded = run_starts[warmup:]
+    if len(recorded) != runs:
+        raise BuildError(
+            f"ONNX Runtime's profile holds {len(run_starts)} runs, expected {warmup + runs}"
+        )
+    origin = recorded[0]
+    events = []
+    for e in trace:
+        if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
+            continue
+        ts = e["ts"]
+        if ts < origin:
+            continue
+        run = sum(1 for s in recorded if s <= ts) - 1
+        args = e.get("args", {})
+        ins = [next(iter(t.values())) for t in args.get("input_type_shape", []) if t]
+        outs = [next(iter(t.values())) for t in args.get("output_type_shape", []) if t]
+        op = str(args.get("op_name", "?"))
+        events.append(
+            OpEvent(
+                name=e["name"][: -len("_kernel_time")],
+                op=op,
+                kernel=str(args.get("provider", "CPUExecutionProvider")),
+                run=run,
+                dur_us=float(e["dur"]),
+                start_us=float(ts - origin),
+                flops=flops(op, ins, outs[0] if outs else None),
+            )
+        )
+    return events

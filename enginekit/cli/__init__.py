@@ -1,8 +1,9 @@
-"""The ``enginekit`` command line: build, run, infer, inspect, backends, compare, bench, validate, cache,
-export-triton, export, prepare, calibrate.
+"""The ``enginekit`` command line: build, run, infer, inspect, backends, compare, bench, profile,
+validate, cache, export-triton, export, prepare, calibrate.
 
-One module per command group (``build``; ``run``; ``infer``; ``inspect`` and ``backends``; ``compare`` and
-``bench`` in :mod:`~enginekit.cli.evaluate`; ``export`` and ``prepare``; ``calibrate``; the
+One module per command group (``build``; ``run``; ``infer``; ``inspect`` and ``backends``;
+``compare`` and ``bench`` in :mod:`~enginekit.cli.evaluate`; ``profile``; ``export`` and
+``prepare``; ``calibrate``; the
 pipeline commands), each registering its commands with a function listed in :data:`COMMANDS`;
 what they share (exit codes, ``--json``, ``-O``, inputs, shapes) is :mod:`enginekit.cli.common`.
 
@@ -20,7 +21,17 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from enginekit.cli import build, calibrate, evaluate, export, infer, inspect, pipeline, run
+from enginekit.cli import (
+    build,
+    calibrate,
+    evaluate,
+    export,
+    infer,
+    inspect,
+    pipeline,
+    profile,
+    run,
+)
 from enginekit.cli.common import EXIT_FAILURE, EXIT_USAGE, EXIT_VERIFY
 from enginekit.errors import EnginekitError, UsageError, VerificationError
 from enginekit.version import __version__
@@ -35,6 +46,7 @@ COMMANDS: list[Callable[[Any], None]] = [
     inspect.add_backends,
     evaluate.add_compare,
     evaluate.add_bench,
+    profile.add,
     pipeline.add_validate,
     pipeline.add_cache,
     pipeline.add_export_triton,

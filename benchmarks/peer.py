@@ -1,0 +1,316 @@
+"""enginekit against its peers on real architectures, side by side in one run.
+
+ResNet-50 (torchvision, random weights) at batch 1 and 16, and a BERT-base-shaped encoder
+(transformers' BertConfig defaults, random weights) at batch 8 x sequence 128. Engines, timed
+interleaved (one call each per round, rounds repeated) so that load on the machine hits them
+all alike:
+
+- a plain ONNX Runtime session on the exported model (the baseline, ratio 1.00);
+- OpenVINO's default (``ov.Core().compile_model(model, "CPU")``: bf16 on CPUs that have it) and
+  OpenVINO at f32 (``INFERENCE_PRECISION_HINT=f32``);
+- every enginekit backend x precision this host can build (``--backends``): fp32, int8
+  (calibrated on random inputs of the model's kind), bf16/fp16 where offered and the ISA has it.
+
+Prints, per model and batch: median latency, speed relative to the plain ORT session and to
+OpenVINO's default, and each engine's accuracy against the float32 model (cosine similarity of
+the outputs, top-1 agreement of the last axis: classes for ResNet, the hidden unit per token for
+the encoder). Also the host's CPU and ISA flags: ratios differ a lot between CPUs.
+
+    python benchmarks/peer.py [--rounds 5] [--size 224] [--backends onnxruntime,openvino,xla]
+                              [--models resnet50,bert] [--cache DIR] [--json out.json]
+    python benchmarks/peer.py --quick      # a smoke test that the suite runs: tiny shapes
+
+TVM is opt-in (``--backends ...,tvm``): untuned it is 50-150x slower than ONNX Runtime and
+tuning takes hours (docs/backends/tvm.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import enginekit as ek
+from enginekit import target
+
+Feeds = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model exported once, and the batches it is timed at."""
+
+    name: str
+    path: Path
+    batches: tuple[Feeds, ...]
+    shapes: dict[str, Any]
+    calib: Feeds
+
+
+# -- models --------------------------------------------------------------------------------------
+
+
+def _torchvision() -> Any:
+    import torch
+
+    # PyPI's torchvision wheel registers its C++ ops for a CUDA torch; with the CPU torch,
+    # importing it fails unless these two schemas exist (no NMS is used here).
+    global _TV_LIB
+    if "_TV_LIB" not in globals():
+        _TV_LIB = torch.library.Library("torchvision", "DEF")
+        _TV_LIB.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        _TV_LIB.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    import torchvision
+
+    return torchvision
+
+
+def resnet50(cache: Path, size: int, batches: tuple[int, ...], quick: bool) -> Workload:
+    import torch
+
+    path = cache / f"resnet50-{size}.onnx"
+    if not path.exists():
+        torch.manual_seed(0)
+        tv = _torchvision()
+        model = (tv.models.resnet18 if quick else tv.models.resnet50)(weights=None).eval()
+        ek.export(model, (torch.randn(2, 3, size, size),), path, dynamic_batch=True)
+    rng = np.random.default_rng(0)
+    top = max(batches)
+    return Workload(
+        f"{'resnet18' if quick else 'resnet50'} {size}x{size}",
+        path,
+        tuple({"x": rng.standard_normal((b, 3, size, size)).astype(np.float32)} for b in batches),
+        {"x": [(1, 3, size, size), (top, 3, size, size), (top, 3, size, size)]},
+        {"x": rng.standard_normal((20, 3, size, size)).astype(np.float32)},
+    )
+
+
+def bert(cache: Path, batch: int, seq: int, quick: bool) -> Workload:
+    import torch
+
+    _torchvision()  # transformers imports torchvision when it is installed: the schemas first
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(attn_implementation="eager")
+    if quick:
+        config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=128, attn_implementation="eager")  # fmt: skip
+    path = cache / f"bert-{'tiny' if quick else 'base'}.onnx"
+    if not path.exists():
+        torch.manual_seed(0)
+
+        class Encoder(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.bert = BertModel(config).eval()
+
+            def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+                return self.bert(input_ids=input_ids, attention_mask=attention_mask)[0]
+
+        ids = torch.randint(0, config.vocab_size, (2, 16))
+        ek.export(Encoder().eval(), (ids, torch.ones_like(ids)), path, dynamic_batch=True,
+                  dynamic_dims={"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}},
+                  output_names=["hidden"])  # fmt: skip
+    rng = np.random.default_rng(0)
+
+    def feeds(b: int) -> Feeds:
+        mask = np.ones((b, seq), np.int64)
+        mask[:, seq - seq // 4 :] = 0  # padding at the end, as real batches have
+        return {"input_ids": rng.integers(0, config.vocab_size, (b, seq)), "attention_mask": mask}
+
+    shape = [(1, seq), (batch, seq), (batch, seq)]
+    return Workload(
+        f"bert-{'tiny' if quick else 'base'} seq {seq}",
+        path,
+        (feeds(batch),),
+        {"input_ids": shape, "attention_mask": shape},
+        feeds(20),
+    )
+
+
+# -- engines -------------------------------------------------------------------------------------
+
+
+def plain_ort(path: Path) -> Callable[[Feeds], np.ndarray]:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return lambda feeds: session.run(None, feeds)[0]
+
+
+def openvino(path: Path, f32: bool) -> Callable[[Feeds], np.ndarray]:
+    import openvino as ov
+
+    config = {"INFERENCE_PRECISION_HINT": "f32"} if f32 else {}
+    compiled = ov.Core().compile_model(str(path), "CPU", config)
+    request = compiled.create_infer_request()
+
+    def run(feeds: Feeds) -> np.ndarray:
+        request.infer(feeds)
+        return np.array(request.get_output_tensor(0).data)
+
+    return run
+
+
+def enginekit_engines(w: Workload, backends: list[str]) -> dict[str, Any]:
+    """Every backend x precision this host can build; a failed build is reported, not fatal."""
+    out: dict[str, Any] = {}
+    for name in backends:
+        try:
+            avail = ek.backends.availability(name)
+        except ek.BackendUnavailable as exc:  # not registered at all
+            out[f"enginekit {name}"] = f"unavailable: {exc}"
+            continue
+        if not avail.available:
+            out[f"enginekit {name}"] = f"unavailable: {avail.reason}"
+            continue
+        offered = getattr(ek.backends.get(name), "PRECISIONS", ("fp32",))
+        for precision in offered:
+            if precision in ("fp16", "bf16") and not _native(precision):
+                continue
+            if name == "onnxruntime" and precision in ("fp16", "bf16"):
+                continue  # CUDA only (its CPU provider has no bf16/fp16 kernels)
+            label = f"enginekit {name} {precision}"
+            args: dict[str, Any] = {}
+            if precision == "int8":
+                args = {"calib_data": w.calib, "calib_method": "percentile"}
+            start = time.perf_counter()
+            try:
+                engine = ek.build(w.path, backend=name, shapes=w.shapes, precision=precision,
+                                  **args)  # fmt: skip
+            except ek.EnginekitError as exc:
+                out[label] = f"does not build: {type(exc).__name__}: {str(exc)[:160]}"
+                continue
+            print(f"  built {label} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+            out[label] = engine
+    return out
+
+
+def _first_output(engine: Any) -> Callable[[Feeds], np.ndarray]:
+    name = engine.outputs[0].name
+    return lambda feeds: engine.infer(feeds)[name]
+
+
+def _native(precision: str) -> bool:
+    flags = target.cpu_flags()
+    want = {"bf16": {"avx512_bf16", "amx_bf16", "bf16"}, "fp16": {"avx512_fp16", "amx_fp16"}}
+    return bool(want[precision] & flags)
+
+
+# -- measuring -----------------------------------------------------------------------------------
+
+
+def accuracy(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    """(mean cosine similarity per sample, top-1 agreement along the last axis)."""
+    g = got.reshape(got.shape[0], -1).astype(np.float64)
+    r = ref.reshape(ref.shape[0], -1).astype(np.float64)
+    cos = (g * r).sum(1) / (np.linalg.norm(g, axis=1) * np.linalg.norm(r, axis=1) + 1e-30)
+    top1 = (got.argmax(-1) == ref.argmax(-1)).mean()
+    return float(cos.mean()), float(top1)
+
+
+def measure(w: Workload, backends: list[str], rounds: int) -> list[dict[str, Any]]:
+    runners: dict[str, Any] = {"onnxruntime session (plain)": plain_ort(w.path)}
+    for label, f32 in (("openvino default", False), ("openvino f32", True)):
+        try:
+            runners[label] = openvino(w.path, f32)
+        except Exception as exc:  # not installed, or cannot read the model
+            runners[label] = f"unavailable: {exc}"[:200]
+    for label, engine in enginekit_engines(w, backends).items():
+        runners[label] = engine if isinstance(engine, str) else _first_output(engine)
+    live = {k: v for k, v in runners.items() if callable(v)}
+    rows = []
+    for feeds in w.batches:
+        batch = next(iter(feeds.values())).shape[0]
+        ref = live["onnxruntime session (plain)"](feeds)
+        outputs = {k: run(feeds) for k, run in live.items()}  # also the warm-up
+        times: dict[str, list[float]] = {k: [] for k in live}
+        for _ in range(rounds):
+            for k, run in live.items():
+                start = time.perf_counter()
+                run(feeds)
+                times[k].append(time.perf_counter() - start)
+        base = statistics.median(times["onnxruntime session (plain)"])
+        ov_default = statistics.median(times.get("openvino default", [float("nan")]))
+        for k, v in runners.items():
+            if not callable(v):
+                rows.append({"model": w.name, "batch": batch, "engine": k, "note": v})
+                continue
+            ms = statistics.median(times[k])
+            cos, top1 = accuracy(outputs[k], ref)
+            rows.append({
+                "model": w.name, "batch": batch, "engine": k, "ms": ms * 1e3,
+                "vs_ort": base / ms, "vs_ov_default": ov_default / ms, "cosine": cos,
+                "top1": top1,
+            })  # fmt: skip
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    header = f"{'model':<22} {'batch':>5} {'engine':<32} {'ms':>9} {'vs ORT':>7} {'vs OV def':>9} {'cosine':>8} {'top-1':>6}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        if "note" in r:
+            print(f"{r['model']:<22} {r['batch']:>5} {r['engine']:<32} {r['note']}")
+            continue
+        print(
+            f"{r['model']:<22} {r['batch']:>5} {r['engine']:<32} {r['ms']:9.2f} "
+            f"{r['vs_ort']:6.2f}x {r['vs_ov_default']:8.2f}x {r['cosine']:8.5f} {r['top1']:6.1%}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke test: ResNet-18 at 32x32 batch 1, "
+                   "a 2-layer tiny BERT at batch 2 x 16, one round, onnxruntime + openvino")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=5, help="timed calls per engine (interleaved)")
+    p.add_argument("--size", type=int, default=224, help="ResNet input size (default 224)")
+    p.add_argument("--models", default="resnet50,bert")
+    p.add_argument("--backends", default="onnxruntime,openvino,xla")
+    p.add_argument("--cache", help="keep exported models here (reused by the next run)")
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    args = p.parse_args(argv)
+    quick = args.quick
+    rounds = 1 if quick else args.rounds
+    size = 32 if quick else args.size
+    backends = ["onnxruntime", "openvino"] if quick else args.backends.split(",")
+    cache = Path(args.cache or tempfile.mkdtemp(prefix="enginekit-peer-"))
+    cache.mkdir(parents=True, exist_ok=True)
+    print(
+        f"host: {target.cpu_name()}, {os.cpu_count()} cores; ISA: {' '.join(sorted(target.cpu_flags()))}"
+    )
+    print(f"enginekit {ek.__version__}; {rounds} interleaved rounds per engine; a loaded machine "
+          "shows in the absolute times, much less in the ratios\n")  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    for model in args.models.split(","):
+        if model == "resnet50":
+            w = resnet50(cache, size, (1,) if quick else (1, 16), quick)
+        elif model == "bert":
+            w = bert(cache, 2 if quick else 8, 16 if quick else 128, quick)
+        else:
+            p.error(f"unknown model {model!r}: resnet50 or bert")
+        print(f"{w.name}: building and timing", file=sys.stderr)
+        done = measure(w, backends, rounds)
+        print_table(done)  # each model as it finishes: a long run shows results early
+        print(flush=True)
+        rows += done
+    if args.json:
+        Path(args.json).write_text(json.dumps({"host": target.host(), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
