@@ -9,6 +9,8 @@ would shadow it for every script here.)
     python benchmarks/run_corpus.py --write-docs          # also write docs/coverage.md
     python benchmarks/run_corpus.py --perf --entries tv-resnet50   # speed vs ONNX Runtime
     python benchmarks/run_corpus.py --list                # the entries, one a line
+    python benchmarks/run_corpus.py --from-json a.json b.json --write-docs   # one table from
+                                                          # earlier --json runs (per backend)
 
 A cell is ``pass (build s)`` or the first line of what failed. Exported models are cached under
 ``~/.cache/enginekit-corpus`` (``$ENGINEKIT_CORPUS_CACHE``), keyed by entry and package
@@ -99,7 +101,7 @@ def coverage_doc(results: Sequence[Result], backends: Sequence[str], seconds: fl
         "by hand. What the corpus is and how a backend joins it: [corpus.md](corpus.md).",
         "",
         f"- date: {datetime.date.today().isoformat()}; enginekit {ek.__version__}; "
-        f"whole run {seconds:.0f} s",
+        + (f"whole run {seconds:.0f} s" if seconds else "assembled from per-backend runs"),
         f"- backends: {', '.join(backend_versions)}",
         "- packages: " + ", ".join(f"{k} {v}" for k, v in vers.items() if k != "enginekit"),
         f"- host: {host_line()}",
@@ -181,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--write-docs", action="store_true", help="write docs/coverage.md")
     p.add_argument("--perf", action="store_true", help="time each backend vs ONNX Runtime")
     p.add_argument("--list", action="store_true", help="list the entries and exit")
+    p.add_argument("--from-json", nargs="+", metavar="FILE",
+                   help="no run: the table from earlier --json runs' results (one per backend, "
+                   "say), e.g. with --write-docs")  # fmt: skip
     args = p.parse_args(argv)
 
     try:
@@ -212,8 +217,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{r.entry:32s} {r.backend:12s} {status}", file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    results = corpus.run(entries, backends, on_result=progress)
-    seconds = time.perf_counter() - start
+    if args.from_json:
+        results = [Result(**row) for f in args.from_json for row in json.loads(Path(f).read_text())]
+        backends = list(dict.fromkeys(r.backend for r in results))
+        seconds = 0.0
+    else:
+        results = corpus.run(entries, backends, on_result=progress)
+        seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps([r.to_json() for r in results], indent=1))
     else:

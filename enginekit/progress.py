@@ -35,39 +35,3 @@ def step(label: str) -> Iterator[None]:
     if tty:
         sys.stderr.write(f"✓ {label} ({elapsed:.1f} s)\n")
     log.info("%s done in %.2f s", label, elapsed)
-
-
-@contextlib.contextmanager
-def native_output_captured(label: str, show_on_error: bool = True) -> Iterator[None]:
-    """Hold what native libraries (TensorFlow's C++ logging, TVM's frontend) and Python code
-    under them write to stderr and stdout during the block: dropped to the debug log when the
-    block succeeds; when it raises, written back to stderr (``show_on_error``; so a failure keeps
-    its context) or to the debug log too (the caller's error says what happened)."""
-    import tempfile
-
-    sys.stderr.flush()
-    try:
-        saved = os.dup(2)
-    except OSError:  # no real fd 2 (an embedded interpreter): nothing to capture
-        yield
-        return
-    import io
-
-    printed = io.StringIO()
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
-        ok = False
-        try:
-            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-                yield
-            ok = True
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            text = printed.getvalue() + sink.read().decode("utf-8", errors="replace")
-            if text and (ok or not show_on_error):
-                log.debug("%s: output held back:\n%s", label, text.rstrip())
-            elif text:
-                sys.stderr.write(text)

@@ -13,6 +13,8 @@ everything.
   "Error converting operator ..."); afterwards native log lines go to ``logging`` at DEBUG and
   every other line (Python warnings, enginekit's own log records, other output) is written
   where it would have gone.
+- :func:`held_output` holds *everything* written during the block (a TensorFlow export, TVM's
+  frontend): dropped to the debug log on success, shown on failure.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger("enginekit.native")
 
@@ -101,6 +103,32 @@ def _free_native(exc: BaseException) -> None:
 
 
 @contextlib.contextmanager
+def _captured(stderr_too: bool) -> Iterator[Callable[[], tuple[str, str]]]:
+    """Fd 2 to a temporary file and ``sys.stdout`` (and ``sys.stderr`` with ``stderr_too``) to a
+    buffer for the block; yields a function giving (printed, native) text once the block ends."""
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    saved = os.dup(2)  # where native libraries write, whatever sys.stderr is now
+    printed = io.StringIO()
+    native: list[str] = []
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(contextlib.redirect_stdout(printed))
+                if stderr_too:
+                    stack.enter_context(contextlib.redirect_stderr(printed))
+                yield lambda: (printed.getvalue(), native[0] if native else "")
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            native.append(tmp.read().decode("utf-8", "replace"))
+
+
+@contextlib.contextmanager
 def native_stderr(what: str) -> Iterator[None]:
     """Keep native log lines written to fd 2 during the block off stderr (unless verbose).
 
@@ -111,32 +139,50 @@ def native_stderr(what: str) -> Iterator[None]:
         yield
         return
     try:
-        fd = 2  # where native libraries write, whatever sys.stderr is now
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-        saved = os.dup(fd)
-        out = io.StringIO()  # TVM's ONNX frontend print()s its conversion errors to stdout
-        with tempfile.TemporaryFile() as tmp:
-            os.dup2(tmp.fileno(), fd)
-            try:
-                with contextlib.redirect_stdout(out):
+        texts = None
+        try:
+            # TVM's ONNX frontend print()s its conversion errors to stdout
+            with _captured(stderr_too=False) as texts:
+                try:
                     yield
-            except BaseException as exc:
-                _free_native(exc)
-                raise
-            finally:
-                kept = filter_native(out.getvalue(), what)
+                except BaseException as exc:
+                    _free_native(exc)  # while fd 2 is still captured
+                    raise
+        finally:
+            if texts is not None:
+                printed, native = texts()
+                kept = filter_native(printed, what)
                 if kept:
                     sys.stdout.write(kept)
-                with contextlib.suppress(Exception):
-                    sys.stderr.flush()
-                os.dup2(saved, fd)
-                os.close(saved)
-                tmp.seek(0)
-                text = tmp.read().decode("utf-8", "replace")
-                rest = filter_native(text, what)
+                rest = filter_native(native, what)
                 if rest:
                     sys.stderr.write(rest)
                     sys.stderr.flush()
     finally:
         _lock.release()
+
+
+@contextlib.contextmanager
+def held_output(label: str, show_on_error: bool = True) -> Iterator[None]:
+    """Hold everything native libraries (TensorFlow's C++ logging, TVM's frontend) and Python
+    code under them write to stderr and stdout during the block: dropped to the debug log when
+    the block succeeds; when it raises, written back to stderr (``show_on_error``; so a failure
+    keeps its context) or to the debug log too (the caller's error says what happened)."""
+    try:
+        os.fstat(2)
+    except OSError:  # no real fd 2 (an embedded interpreter): nothing to capture
+        yield
+        return
+    ok = False
+    texts = None
+    try:
+        with _captured(stderr_too=True) as texts:
+            yield
+        ok = True
+    finally:
+        if texts is not None:
+            text = "".join(texts())
+            if text and (ok or not show_on_error):
+                log.debug("%s: output held back:\n%s", label, text.rstrip())
+            elif text:
+                sys.stderr.write(text)

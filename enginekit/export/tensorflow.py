@@ -25,7 +25,7 @@ import onnx
 from enginekit.errors import ExportError
 from enginekit.export._tf2onnx import Target
 from enginekit.files import atomic_path
-from enginekit.progress import native_output_captured
+from enginekit.quiet import held_output
 
 NAME = "tensorflow"
 #: What paths this exporter takes (the registry quotes it when nothing accepts a path).
@@ -459,7 +459,7 @@ def export(
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with native_output_captured("TensorFlow export"):  # C++ logs once TF is already loaded
+    with held_output("TensorFlow export"):  # C++ logs once TF is already loaded
         proto, fn, names = convert(target, shapes, axes, opset, output_names)
         if check:
             check_outputs(proto, fn, target, shapes, axes, examples, names, atol, rtol)

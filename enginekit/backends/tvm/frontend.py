@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from enginekit.errors import BuildError
-from enginekit.progress import native_output_captured
+from enginekit.quiet import held_output
 
 if TYPE_CHECKING:
     from enginekit.model import Model
@@ -259,7 +259,7 @@ def import_onnx(model: Model, shapes: Mapping[str, tuple[int, ...]] | None = Non
         with (
             warnings.catch_warnings(),
             _registered(),
-            native_output_captured("TVM frontend", False),
+            held_output("TVM frontend", False),
         ):
             warnings.simplefilter("ignore")
             mod = from_onnx(
