@@ -230,7 +230,8 @@ def random_feeds(
             feeds[s.name] = rng.integers(0, 2, shape).astype(bool)
         elif dtype.kind in "OUS":  # ONNX string tensors: short lowercase words
             words = np.array(["alpha", "beta", "gamma", "delta", "monday", "the", "a"], object)
-            feeds[s.name] = words[rng.integers(0, len(words), shape)].astype(object)
+            # np.asarray: indexing with a 0-d index array gives a bare str, not an array
+            feeds[s.name] = np.asarray(words[rng.integers(0, len(words), shape)], dtype=object)
         else:
             raise BuildError(f"input {s.name!r}: cannot make random data of dtype {s.dtype}")
     return feeds

@@ -195,3 +195,13 @@ def test_a_fixed_batch_with_a_batch_range_points_to_prepare_batch_dynamic():
         check_profiles(model, shapes)
     with pytest.raises(ek.BuildError, match="did you mean 'input_ids'"):
         check_profiles(model, normalize_shapes("input_id:1x8 attention_mask:1x8"))
+
+
+def test_random_feeds_for_a_zero_dimensional_string_input_is_an_array():
+    from enginekit.engine import TensorSpec
+    from enginekit.model import random_feeds
+
+    feeds = random_feeds([TensorSpec("s", "object", ())], {"s": ()})
+    assert (
+        isinstance(feeds["s"], np.ndarray) and feeds["s"].shape == () and feeds["s"].dtype == object
+    )

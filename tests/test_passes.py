@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+import warnings
 
 import numpy as np
 import onnx
@@ -368,3 +369,26 @@ def test_auto_backend_refuses_per_backend_pass_options():
         ek.build(foldable_model(), backend="auto", shapes={"x": (2, 4)}, simplify=False)
     with pytest.raises(ek.BuildError, match="name the backend instead of 'auto'"):
         ek.build(foldable_model(), backend="auto", shapes={"x": (2, 4)}, outputs=["h"])
+
+
+def test_simplify_refuses_a_model_onnxslim_leaves_invalid_and_build_goes_on_without_it(tmp_path):
+    # ONNX's own node case: onnxslim folds an If branch's outer-scope value away, leaving a
+    # model ONNX Runtime refuses ("not a graph input, initializer, or output").
+    from onnx.backend.test.case import node
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the case definitions compute their data with numpy
+        cases = node.collect_testcases(None)
+    case = next(c for c in cases if c.name == "test_affine_grid_2d_expanded")
+    with pytest.raises(ek.ModelError, match="invalid model"):
+        passes.simplify(case.model)
+    inputs, outputs = case.data_sets[0]
+    names = [i.name for i in case.model.graph.input]
+    engine = ek.build(
+        case.model,
+        backend="onnxruntime",
+        output=tmp_path / "m.ekit",
+        verify_data=dict(zip(names, inputs)),
+    )
+    got = engine.infer(dict(zip(names, inputs)))
+    np.testing.assert_allclose(next(iter(got.values())), outputs[0], rtol=1e-5, atol=1e-6)

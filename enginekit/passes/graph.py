@@ -56,13 +56,18 @@ def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
 # -- simplification ----------------------------------------------------------------------------
 
 
+#: Models whose serialized size onnx.checker can take (protobuf's 2 GB limit), with a margin.
+_CHECKABLE = 1 << 30
+
+
 def simplify(source: ModelSource) -> onnx.ModelProto:
     """Fold constants, remove dead nodes, merge common subexpressions and infer shapes (onnxslim).
 
     Only standard-domain ops come out; inputs and outputs keep their names, dtypes and ranks.
 
     Raises:
-        ModelError: onnxslim is not installed, fails on the model, or changed its inputs/outputs.
+        ModelError: onnxslim is not installed, fails on the model, leaves a model the ONNX checker
+            rejects, or changed its inputs/outputs.
     """
     try:
         import onnxslim
@@ -83,6 +88,15 @@ def simplify(source: ModelSource) -> onnx.ModelProto:
         ) from None
     if not isinstance(out, onnx.ModelProto):
         raise ModelError("onnxslim returned no model; build with simplify=False (--no-simplify)")
+    if out.ByteSize() < _CHECKABLE:  # the checker takes protos under 2 GB only
+        try:
+            onnx.checker.check_model(out)
+        except Exception as exc:  # e.g. a subgraph's outer-scope name folded away
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelError(
+                f"onnxslim left an invalid model ({first}); build with simplify=False "
+                "(CLI: --no-simplify)"
+            ) from None
     after = _io_signature(out)
     if after != before:
         raise ModelError(
