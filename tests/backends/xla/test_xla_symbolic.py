@@ -193,3 +193,38 @@ def test_if_on_a_condition_from_input_values_is_refused_naming_the_node(tmp_path
     ek.Model.save(ek.load_model(m), path)
     with pytest.raises(ek.BuildError, match=r"If.*condition is computed from the inputs"):
         ek.build(path, backend="xla", shapes={"x": (2, 4), "cond": (1,)}, xla_flags="xla-default")
+
+
+def _resize_to_sizes_graph(mode: str):
+    """F.interpolate(x, size=(12, 10)) as torch exports it: Resize's sizes are
+    Concat(Shape(x)[:2], [12, 10]), so they hold the symbolic batch next to constant H, W."""
+    return model(
+        [
+            helper.make_node("Shape", ["x"], ["shape"]),
+            helper.make_node("Slice", ["shape", "zero", "two", "zero"], ["nc"]),
+            helper.make_node("Concat", ["nc", "hw"], ["sizes"], axis=0),
+            helper.make_node(
+                "Resize",
+                ["x", "", "", "sizes"],
+                ["y"],
+                mode=mode,
+                coordinate_transformation_mode="pytorch_half_pixel",
+            ),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 6, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3, 12, 10])],
+        [_int("zero", 0), _int("two", 2), _int("hw", 12, 10)],
+    )
+
+
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+def test_resize_to_sizes_holding_the_symbolic_batch_resizes_only_spatial_axes(mode, tmp_path):
+    """Segmentation heads (LR-ASPP, DeepLabV3, FCN) upsample to the input's H, W this way."""
+    rng = np.random.default_rng(4)
+    _check(
+        _resize_to_sizes_graph(mode),
+        {"x": [(1, 3, 6, 5), (2, 3, 6, 5), (4, 3, 6, 5)]},
+        lambda b: {"x": rng.standard_normal((b, 3, 6, 5)).astype(np.float32)},
+        (1, 3, 4),
+        tmp_path,
+    )

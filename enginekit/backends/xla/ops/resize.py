@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from enginekit.backends.xla.ops.common import OpError, static, to_jax
+from enginekit.backends.xla.ops.common import OpError, ints, static, to_jax
 
 Coeffs = Callable[[float, float], np.ndarray]
 
@@ -174,6 +174,11 @@ def _output_dims(
             raise OpError(
                 f"keep_aspect_ratio_policy {policy!r}: expected stretch, not_larger or not_smaller"
             )
+        if any(not isinstance(dims[a], int) for a in axes):
+            raise OpError(
+                f"keep_aspect_ratio_policy {policy!r} over a symbolic axis (input dims {dims}): "
+                "name only the spatial axes in Resize's axes, or pin the symbolic dims"
+            )
         pick = min if policy == "not_larger" else max
         scale = pick(ratio[a] for a in axes)
         out = [int(scale * dims[a] + 0.5) if a in axes else dims[a] for a in range(rank)]
@@ -185,6 +190,15 @@ def _output_dims(
         d if full[a] == 1.0 else math.floor(d * full[a]) for a, d in enumerate(dims)
     ]
     return scaled, full
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two dims (ints or symbolic expressions like ``batch``) are provably equal;
+    comparing a symbolic dim with a different one or an int is never an error, just False."""
+    try:
+        return bool(a == b)
+    except Exception:  # jax's InconclusiveDimensionOperation
+        return False
 
 
 def _interpolate(
@@ -207,7 +221,7 @@ def _interpolate(
     size_list = (
         None
         if sizes is None or np.size(static(sizes, "Resize's sizes")) == 0
-        else [int(s) for s in static(sizes, "Resize's sizes").reshape(-1)]
+        else ints(sizes, "Resize's sizes")
     )
     if scale_list is None and size_list is None:
         raise OpError("Resize needs scales or sizes")
@@ -221,10 +235,13 @@ def _interpolate(
         result = result.astype(jnp.float32)
     for i, a in enumerate(picked):
         span = None if roi_flat is None else (roi_flat[i], roi_flat[i + len(picked)])
-        if out[a] == X.shape[a] and factor[a] == 1.0 and span in (None, (0.0, 1.0)):
-            continue
-        if not isinstance(X.shape[a], int):
-            raise OpError(f"Resize of axis {a}, whose size {X.shape[a]} is symbolic")
+        if _same(out[a], X.shape[a]) and factor[a] == 1.0 and span in (None, (0.0, 1.0)):
+            continue  # the batch and channels, symbolic or not, pass through untouched
+        if not isinstance(X.shape[a], int) or not isinstance(out[a], (int, np.integer)):
+            raise OpError(
+                f"Resize of axis {a} from size {X.shape[a]} to {out[a]}: only axes of fixed "
+                "size can be resized; keep symbolic dims (batch) unchanged or pin them"
+            )
         result = _resize_axis(result, a, int(out[a]), factor[a], how, span, fill)
     if result.dtype != dtype:
         info = jnp.iinfo(dtype)
