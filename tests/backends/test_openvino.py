@@ -4,12 +4,7 @@ the asynchronous queue, and bad input."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -206,22 +201,3 @@ def test_infer_async_runs_on_openvinos_queue_and_matches_infer(cnn_artifact):
     with pytest.raises(ek.EngineInputError, match="dtype"):
         engine.infer_async(big["x"].astype(np.float64))
     engine.close()
-
-
-def test_docs_page_examples_run(tmp_path, monkeypatch):
-    page = Path(__file__).parents[2] / "docs" / "backends" / "openvino.md"
-    text = page.read_text(encoding="utf-8")
-    blocks = re.findall(r"(<!-- no-run[^>]*-->\n)?```(python|bash)\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 3
-    monkeypatch.chdir(tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(page.parents[2])}
-    namespace: dict = {}
-    for skip, lang, code in blocks:
-        if skip:
-            continue
-        if lang == "python":
-            exec(compile(code, str(page), "exec"), namespace)
-        else:
-            script = code.replace("enginekit ", f"{sys.executable} -m enginekit ")
-            subprocess.run(["bash", "-e", "-c", script], check=True, env=env, timeout=300)
-    assert namespace["engine"].compiled_from == "blob"

@@ -106,22 +106,3 @@ def test_cli_profile_prints_table_json_and_writes_trace(artifacts, tmp_path):
     assert data["shapes"] == {"x": [3, 3, 16, 16]} and data["ops"][0]["share"] > 0
     bad = subprocess.run([*run, "--top", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--top 0" in bad.stderr
-
-
-def test_docs_page_examples_run(tmp_path, monkeypatch):
-    import os
-    import re
-
-    page = Path(__file__).parents[2] / "docs" / "profile.md"
-    blocks = re.findall(r"```(python|bash)\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
-    monkeypatch.chdir(tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(page.parents[1])}
-    namespace: dict = {}
-    for lang, code in blocks:
-        if lang == "python":
-            exec(compile(code, str(page), "exec"), namespace)
-        else:
-            script = code.replace("enginekit ", f"{sys.executable} -m enginekit ")
-            subprocess.run(["bash", "-e", "-c", script], check=True, env=env, timeout=300)
-    assert json.loads((tmp_path / "profile.json").read_text())["backend"] == "onnxruntime"
-    assert namespace["data"]["ops"] and (tmp_path / "trace.json").is_file()
