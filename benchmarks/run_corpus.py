@@ -185,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the entries and exit")
     p.add_argument("--from-json", nargs="+", metavar="FILE",
                    help="no run: the table from earlier --json runs' results (one per backend, "
-                   "say), e.g. with --write-docs")  # fmt: skip
+                   "say; a later file's row for the same entry and backend wins), e.g. with "
+                   "--write-docs")  # fmt: skip
     args = p.parse_args(argv)
 
     try:
@@ -218,7 +219,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     start = time.perf_counter()
     if args.from_json:
-        results = [Result(**row) for f in args.from_json for row in json.loads(Path(f).read_text())]
+        latest: dict[tuple[str, str], Result] = {}  # a later file's row replaces an earlier one
+        for f in args.from_json:
+            for row in json.loads(Path(f).read_text()):
+                latest[(row["entry"], row["backend"])] = Result(**row)
+        order = {e.name: i for i, e in enumerate(corpus.entries())}
+        results = sorted(latest.values(), key=lambda r: order.get(r.entry, len(order)))
         backends = list(dict.fromkeys(r.backend for r in results))
         seconds = 0.0
     else:
