@@ -193,7 +193,25 @@ def _converters() -> dict[str, Any]:
                 x = bb.emit(relax.op.minimum(x, high))
             return x
 
-    return {"Range": Range, "Clip": Clip}
+    class Resize(onnx_frontend.Resize):
+        """Resize whose ``sizes`` is a shape with a symbolic batch (``F.interpolate(size=...)``
+        exports Shape(x)[0:2] concatenated with constant H, W): TVM 0.27 reads every entry
+        of the shape as an int and fails on the batch var. Only the spatial entries are
+        used, so when they are constants the sizes become a plain constant."""
+
+        @classmethod
+        def _impl_v18(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            sizes = onnx_frontend.get_constant(inputs[3], params) if len(inputs) > 3 else None
+            if isinstance(sizes, relax.ShapeExpr):
+                spatial = list(sizes.values)[2:]
+                if all(isinstance(v, tvm.tirx.IntImm) for v in spatial):
+                    inputs = onnx_frontend.onnx_input(inputs)
+                    inputs[3] = relax.const(
+                        np.array([0, 0] + [int(v) for v in spatial], np.int64)
+                    )
+            return super()._impl_v18(bb, inputs, attr, params)
+
+    return {"Range": Range, "Clip": Clip, "Resize": Resize}
 
 
 def _int_scalar(value: Any) -> int | None:
