@@ -211,7 +211,33 @@ def _converters() -> dict[str, Any]:
                     )
             return super()._impl_v18(bb, inputs, attr, params)
 
-    return {"Range": Range, "Clip": Clip, "Resize": Resize}
+    class Gather(onnx_frontend.Gather):
+        """Gather(Shape(x), [k]) with a one-element index vector (enginekit's
+        make_batch_dynamic reads the batch that way): TVM 0.27 keeps a shape only for a 0-D
+        index and otherwise turns it into a runtime tensor, so a later Expand or Reshape to
+        it loses every dim (ViT's class token, then "Reshape expects the input tensor to
+        have known shape"). A constant 1-D index into a shape stays a shape."""
+
+        @classmethod
+        def _impl_v13(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            data = inputs[0]
+            indices = onnx_frontend.get_constant(inputs[1], params)
+            if (
+                isinstance(data, relax.ShapeExpr)
+                and attr.get("axis", 0) == 0
+                and isinstance(indices, tvm.ir.GenericConst)
+            ):
+                picked = indices.value.numpy()
+                dims = list(data.values)
+                if (
+                    picked.ndim == 1
+                    and np.issubdtype(picked.dtype, np.integer)
+                    and all(-len(dims) <= int(i) < len(dims) for i in picked)
+                ):
+                    return relax.ShapeExpr([dims[int(i)] for i in picked])
+            return super()._impl_v13(bb, inputs, attr, params)
+
+    return {"Range": Range, "Clip": Clip, "Resize": Resize, "Gather": Gather}
 
 
 def _int_scalar(value: Any) -> int | None:
