@@ -206,9 +206,7 @@ def _converters() -> dict[str, Any]:
                 spatial = list(sizes.values)[2:]
                 if all(isinstance(v, tvm.tirx.IntImm) for v in spatial):
                     inputs = onnx_frontend.onnx_input(inputs)
-                    inputs[3] = relax.const(
-                        np.array([0, 0] + [int(v) for v in spatial], np.int64)
-                    )
+                    inputs[3] = relax.const(np.array([0, 0] + [int(v) for v in spatial], np.int64))
             return super()._impl_v18(bb, inputs, attr, params)
 
     class Gather(onnx_frontend.Gather):
