@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from enginekit.backends.tvm.lower import error_line
 from enginekit.errors import BuildError
 from enginekit.quiet import held_output
 
@@ -312,10 +313,9 @@ def import_onnx(model: Model, shapes: Mapping[str, tuple[int, ...]] | None = Non
                 sanitize_input_names=True,
             )
     except Exception as exc:
-        first = str(exc).strip().splitlines()
         raise BuildError(
             f"TVM's Relax ONNX frontend failed on the model: {type(exc).__name__}: "
-            f"{first[-1] if first else ''}. Try another backend, or simplify the model "
+            f"{error_line(exc)}. Try another backend, or simplify the model "
             "(e.g. onnxslim) before building."
         ) from None
     return clamp_gather_indices(mod)
