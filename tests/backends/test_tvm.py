@@ -283,3 +283,20 @@ def test_enginekit_schedule_applies_to_every_conv_and_matmul_kernel(cnn_path):
             assert "parallel" in sch.mod.script() and "vectorized" in sch.mod.script()
             names.append(gv.name_hint)
     assert len(names) == 3
+
+
+def test_error_line_skips_the_printer_footer_of_a_printed_expression():
+    # TVM's errors often end with a printed expression, whose last line is the printer's
+    # "# Metadata omitted..." footer; enginekit's one-line messages show the failure instead.
+    from tvm import relax
+
+    from enginekit.backends.tvm.lower import error_line
+
+    x = relax.Var("x", relax.TensorType((2, 3), "float32"))
+    printed = str(relax.op.add(x, relax.const(np.ones((2, 3), "float32"))))
+    assert printed.strip().splitlines()[-1].startswith("# Metadata omitted")
+    exc = ValueError(f"Reshape expects a known shape, got: {printed}")
+    assert (
+        error_line(exc)
+        == 'Reshape expects a known shape, got: R.add(x, metadata["ir.GenericConst"][0])'
+    )

@@ -134,3 +134,38 @@ def test_matmul_with_gelu_epilogue_compiles_and_matches(tmp_path):
     x = {"x": rng.standard_normal((3, 5, 8)).astype(np.float32)}
     np.testing.assert_allclose(engine.infer(x)["y"], reference(path, x)["y"], rtol=1e-4, atol=1e-5)
     engine.close()
+
+
+def test_class_token_expanded_to_a_batch_read_by_a_gather_keeps_its_shape(tmp_path):
+    # make_batch_dynamic reads the batch as Gather(Shape(x), [0]) (a one-element index
+    # vector) and expands ViT's class token to it; TVM 0.27 turned that shape into a runtime
+    # tensor, the concatenated tokens lost their dims and the Reshape after them failed.
+    rng = np.random.default_rng(1)
+    inits = {
+        "zero": np.array([0], np.int64),
+        "rest": np.array([1, 4], np.int64),
+        "token": rng.standard_normal((1, 1, 4)).astype(np.float32),
+        "flat": np.array([-1, 2, 2], np.int64),
+    }
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "zero"], ["batch"], axis=0),
+        helper.make_node("Concat", ["batch", "rest"], ["target"], axis=0),
+        helper.make_node("Expand", ["token", "target"], ["tokens"]),
+        helper.make_node("Concat", ["tokens", "x"], ["seq"], axis=1),
+        helper.make_node("Reshape", ["seq", "flat"], ["y"]),
+    ]
+    path = _save(
+        tmp_path / "class_token.onnx",
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 2, 2])],
+        inits,
+    )
+    engine = ek.build(path, backend="tvm", shapes={"x": [(1, 3, 4), (2, 3, 4), (4, 3, 4)]})
+    for batch in (1, 3):
+        feed = {"x": rng.standard_normal((batch, 3, 4)).astype(np.float32)}
+        np.testing.assert_allclose(
+            engine.infer(feed)["y"], reference(path, feed)["y"], rtol=1e-5, atol=1e-6
+        )
+    engine.close()

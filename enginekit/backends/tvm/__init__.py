@@ -168,7 +168,7 @@ def _compile(
         executable.export_library(str(path))
     except Exception as exc:
         raise BuildError(
-            f"linking {path.name} for {target.kind.name} failed ({str(exc).strip().splitlines()[-1]}); "
+            f"linking {path.name} for {target.kind.name} failed ({lower.error_line(exc)}); "
             "a target of another architecture needs that architecture's C compiler (set CC)"
         ) from None
     return tuned, done

@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from enginekit.backends.tvm.lower import error_line
 from enginekit.errors import BuildError
 from enginekit.quiet import held_output
 
@@ -193,7 +194,49 @@ def _converters() -> dict[str, Any]:
                 x = bb.emit(relax.op.minimum(x, high))
             return x
 
-    return {"Range": Range, "Clip": Clip}
+    class Resize(onnx_frontend.Resize):
+        """Resize whose ``sizes`` is a shape with a symbolic batch (``F.interpolate(size=...)``
+        exports Shape(x)[0:2] concatenated with constant H, W): TVM 0.27 reads every entry
+        of the shape as an int and fails on the batch var. Only the spatial entries are
+        used, so when they are constants the sizes become a plain constant."""
+
+        @classmethod
+        def _impl_v18(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            sizes = onnx_frontend.get_constant(inputs[3], params) if len(inputs) > 3 else None
+            if isinstance(sizes, relax.ShapeExpr):
+                spatial = list(sizes.values)[2:]
+                if all(isinstance(v, tvm.tirx.IntImm) for v in spatial):
+                    inputs = onnx_frontend.onnx_input(inputs)
+                    inputs[3] = relax.const(np.array([0, 0] + [int(v) for v in spatial], np.int64))
+            return super()._impl_v18(bb, inputs, attr, params)
+
+    class Gather(onnx_frontend.Gather):
+        """Gather(Shape(x), [k]) with a one-element index vector (enginekit's
+        make_batch_dynamic reads the batch that way): TVM 0.27 keeps a shape only for a 0-D
+        index and otherwise turns it into a runtime tensor, so a later Expand or Reshape to
+        it loses every dim (ViT's class token, then "Reshape expects the input tensor to
+        have known shape"). A constant 1-D index into a shape stays a shape."""
+
+        @classmethod
+        def _impl_v13(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            data = inputs[0]
+            indices = onnx_frontend.get_constant(inputs[1], params)
+            if (
+                isinstance(data, relax.ShapeExpr)
+                and attr.get("axis", 0) == 0
+                and isinstance(indices, tvm.ir.GenericConst)
+            ):
+                picked = indices.value.numpy()
+                dims = list(data.values)
+                if (
+                    picked.ndim == 1
+                    and np.issubdtype(picked.dtype, np.integer)
+                    and all(-len(dims) <= int(i) < len(dims) for i in picked)
+                ):
+                    return relax.ShapeExpr([dims[int(i)] for i in picked])
+            return super()._impl_v13(bb, inputs, attr, params)
+
+    return {"Range": Range, "Clip": Clip, "Resize": Resize, "Gather": Gather}
 
 
 def _int_scalar(value: Any) -> int | None:
@@ -270,10 +313,9 @@ def import_onnx(model: Model, shapes: Mapping[str, tuple[int, ...]] | None = Non
                 sanitize_input_names=True,
             )
     except Exception as exc:
-        first = str(exc).strip().splitlines()
         raise BuildError(
             f"TVM's Relax ONNX frontend failed on the model: {type(exc).__name__}: "
-            f"{first[-1] if first else ''}. Try another backend, or simplify the model "
+            f"{error_line(exc)}. Try another backend, or simplify the model "
             "(e.g. onnxslim) before building."
         ) from None
     return clamp_gather_indices(mod)

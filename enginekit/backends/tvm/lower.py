@@ -27,6 +27,22 @@ from enginekit.errors import BuildError
 
 log = logging.getLogger(__name__)
 
+#: The footer TVM's printer ends a module or expression with (in error texts).
+_PRINTER_FOOTER = re.compile(r"^#?\s*Metadata omitted\.")
+
+
+def error_line(exc: BaseException) -> str:
+    """The last informative line of a TVM exception's text, for a one-line error message.
+
+    TVM error texts often end with a printed IR expression, whose last line is the printer's
+    footer ``# Metadata omitted. Use show_meta=True in script() method to show it.`` instead
+    of the failure: that footer (and blank lines) is skipped.
+    """
+    lines = [ln.strip() for ln in str(exc).splitlines()]
+    kept = [ln for ln in lines if ln and not _PRINTER_FOOTER.match(ln)]
+    return kept[-1] if kept else ""
+
+
 LAYOUTS = ("NHWC", "NCHW")
 SCHEDULES = ("enginekit", "dlight", "none")
 
@@ -255,7 +271,7 @@ def optimize(mod: Any, target: Any, layout: str) -> tuple[Any, Any]:
             except Exception as exc:
                 raise BuildError(
                     f"TVM's ConvertLayout to NHWC failed on this model ({type(exc).__name__}: "
-                    f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); build "
+                    f"{error_line(exc)}); build "
                     "with layout='NCHW'"
                 ) from None
         graph = tvm.transform.Sequential(
@@ -311,7 +327,7 @@ def compile_module(mod: Any, target: Any) -> Any:
     except Exception as exc:
         raise BuildError(
             f"TVM failed to compile the program for {target.kind.name}: "
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            f"{type(exc).__name__}: {error_line(exc)}"
         ) from None
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from enginekit.backends.tvm.lower import error_line
 from enginekit.config import BuildConfig
 from enginekit.engine import Engine, TensorSpec
 from enginekit.errors import ArtifactError
@@ -51,7 +52,7 @@ def load_library(artifact: Artifact, name: str) -> Any:
         except Exception as exc:
             raise ArtifactError(
                 f"{artifact.path}: payload {name!r} does not load here "
-                f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "
+                f"({type(exc).__name__}: {error_line(exc)}); "
                 "rebuild the engine on this host"
             ) from None
     finally:
