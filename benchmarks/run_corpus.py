@@ -234,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps([r.to_json() for r in results], indent=1))
     else:
         print(table(results, backends))
-        print(f"\n{summary(results, backends)}; {seconds:.0f} s")
+        print(f"\n{summary(results, backends)}" + (f"; {seconds:.0f} s" if seconds else ""))
     if args.write_docs:
         out = ROOT / "docs" / "coverage.md"
         tmp = out.with_suffix(".md.tmp")
