@@ -20,6 +20,7 @@ import onnx
 from corpus import _compat
 from corpus._torch import SEED, image_inputs, image_shapes
 from corpus.harness import BATCHES, Entry, Made, Sample
+from corpus.vision import _vit  # the same small ViT, exported the zoo way
 
 INPUT = "data"
 
@@ -84,19 +85,6 @@ def _tv(name: str, **kwargs: Any) -> Callable[[], Any]:
         return getattr(_compat.torchvision().models, name)(weights=None, **kwargs)
 
     return build
-
-
-def _vit() -> Any:
-    tv = _compat.torchvision()
-    import torch
-
-    model = tv.models.vision_transformer.VisionTransformer(
-        image_size=64, patch_size=16, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128
-    )
-    # torchvision starts the head at zero (for fine-tuning): all-zero logits would compare
-    # equal whatever the engine computed, so give it random weights like the rest.
-    torch.nn.init.normal_(model.heads.head.weight, std=0.02)
-    return model
 
 
 ENTRIES: tuple[Entry, ...] = (

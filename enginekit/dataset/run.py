@@ -401,17 +401,9 @@ def _pipeline(
             state.stop.set()
         _put(inbox, _END, state)
 
-    def write() -> None:
-        try:
-            _write_loop(outbox, led, out, fmt, tensor_format, bar, state)
-        except BaseException as exc:
-            state.error = state.error or exc
-            state.stop.set()
-
     reader = threading.Thread(target=read, name="enginekit-read", daemon=True)
-    writer = threading.Thread(target=write, name="enginekit-write", daemon=True)
     reader.start()
-    writer.start()
+    writer = _start_writer(outbox, led, out, fmt, tensor_format, bar, state)
     rows = 0
     try:
         while True:
@@ -442,15 +434,7 @@ def _write_all(
     outbox: queue.Queue = queue.Queue(prefetch)
     rows = 0
 
-    def write() -> None:
-        try:
-            _write_loop(outbox, led, out, fmt, tensor_format, bar, state)
-        except BaseException as exc:
-            state.error = state.error or exc
-            state.stop.set()
-
-    writer = threading.Thread(target=write, name="enginekit-write", daemon=True)
-    writer.start()
+    writer = _start_writer(outbox, led, out, fmt, tensor_format, bar, state)
     try:
         for item in results:
             rows += item[0].piece.rows
@@ -464,6 +448,24 @@ def _write_all(
     if state.error is not None:
         raise state.error
     return rows
+
+
+def _start_writer(
+    outbox: queue.Queue, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
+    bar: Progress, state: _State,
+) -> threading.Thread:  # fmt: skip
+    """The writer thread: shards from ``outbox`` until the end mark; an error stops the run."""
+
+    def write() -> None:
+        try:
+            _write_loop(outbox, led, out, fmt, tensor_format, bar, state)
+        except BaseException as exc:
+            state.error = state.error or exc
+            state.stop.set()
+
+    writer = threading.Thread(target=write, name="enginekit-write", daemon=True)
+    writer.start()
+    return writer
 
 
 def _write_loop(
