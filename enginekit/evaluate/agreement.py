@@ -93,9 +93,10 @@ def batch(
     verify_data: Any = None,
     calib_data: Any = None,
     seed: int = 0,
-) -> tuple[Feeds, str]:
-    """The shared batch and what it is: ``verify_data``'s first rows, else the rows a build
-    holds out of ``calib_data`` (every 10th, never calibrated on), else generated inputs at
+) -> tuple[list[Feeds], str]:
+    """The shared batch (as the chunks the model takes: a fixed-batch model's rows stay cut
+    to its batch) and what it is: ``verify_data``'s first rows, else the rows a build holds
+    out of ``calib_data`` (every 10th, never calibrated on), else generated inputs at
     ``batch_size`` rows."""
     from enginekit.calibration.data import DEFAULT_BATCH, Holdout, batches
 
@@ -107,33 +108,42 @@ def batch(
         holdout = Holdout(every=10, cap=MAX_ROWS)
         for _ in holdout.split(batches(calib_data, model.inputs, DEFAULT_BATCH, None, profile)):
             pass
-        got = _rows(iter(holdout.held))
+        got = _rows(batches(holdout.held, model.inputs, DEFAULT_BATCH, MAX_ROWS, profile))
         if got is not None:
-            return got, f"{len(next(iter(got.values())))} calibration rows held out (every 10th)"
+            return got, f"{_count(got)} calibration rows held out (every 10th)"
     from enginekit.feeds import make_feeds
 
     shapes = concrete_shapes(model.inputs, profile, "opt")
     shapes = {n: (batch_size, *s[1:]) if s else s for n, s in shapes.items()}
-    return make_feeds(model, shapes, seed=seed), f"generated inputs ({batch_size} rows)"
+    return [make_feeds(model, shapes, seed=seed)], f"generated inputs ({batch_size} rows)"
 
 
-def _rows(stream: Iterator[Feeds]) -> Feeds | None:
+def _rows(stream: Iterator[Feeds]) -> list[Feeds] | None:
     parts = list(stream)
-    if not parts:
-        return None
-    return {n: np.concatenate([p[n] for p in parts])[:MAX_ROWS] for n in parts[0]}
+    return parts or None
 
 
-def reference(model: Model, feeds: Feeds) -> dict[str, np.ndarray]:
-    """The float32 reference's outputs on ``feeds`` (ONNX Runtime CPU on the source model)."""
+def _count(chunks: list[Feeds]) -> int:
+    return sum(len(next(iter(c.values()))) for c in chunks)
+
+
+def reference(model: Model, chunks: list[Feeds]) -> dict[str, np.ndarray]:
+    """The float32 reference's outputs on ``chunks``, joined (ONNX Runtime CPU on the source
+    model)."""
     session = reference_session(model)
     names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, feeds)))
+    return _join([dict(zip(names, session.run(names, c))) for c in chunks])
 
 
-def measure(engine: Engine, feeds: Feeds, ref: Mapping[str, np.ndarray]) -> Agreement:
-    """Top-1 agreement and cosine similarity of ``engine`` against ``ref`` on ``feeds``."""
-    got = engine.infer(feeds)
+def _join(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    if len(parts) == 1:
+        return parts[0]
+    return {n: np.concatenate([p[n] for p in parts]) for n in parts[0]}
+
+
+def measure(engine: Engine, chunks: list[Feeds], ref: Mapping[str, np.ndarray]) -> Agreement:
+    """Top-1 agreement and cosine similarity of ``engine`` against ``ref`` on ``chunks``."""
+    got = _join([engine.infer(c) for c in chunks])
     top1s, cosines, rows = [], [], 0
     for name, r in ref.items():
         g = got.get(name)
@@ -151,7 +161,7 @@ def measure(engine: Engine, feeds: Feeds, ref: Mapping[str, np.ndarray]) -> Agre
     return Agreement(
         min(top1s) if top1s else None,
         min(cosines) if cosines else None,
-        rows or len(next(iter(feeds.values()), [])),
+        rows or _count(chunks),
     )
 
 

@@ -335,16 +335,16 @@ def _gate(
     if not built:
         return built
     profile = base.profiles[0] if len(base.profiles) == 1 else None
-    feeds, described = agreement.batch(
+    chunks, described = agreement.batch(
         model, profile, _bench_batch(built[0][0], objective), quant.verify_data,
         quant.calib_data, base.seed,
     )  # fmt: skip
-    ref = agreement.reference(model, feeds)
+    ref = agreement.reference(model, chunks)
     auto["agreement_data"] = described
     kept = []
     for engine, record, path in built:
         try:
-            found = agreement.measure(engine, feeds, ref)
+            found = agreement.measure(engine, chunks, ref)
         except Exception as exc:  # a run failure on real data is this candidate's result
             text = str(exc) if isinstance(exc, EnginekitError) else f"{type(exc).__name__}: {exc}"
             record.update(status="run error", error=text)
