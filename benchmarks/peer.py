@@ -363,7 +363,9 @@ def goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[str, Any
         met = None if value is None else value >= target
         out.append({"goal": goal, "value": value, "target": target, "met": met, "note": note})
 
-    for model, batch, label in ((r50, 1, "ResNet-50 b1"), (enc, 8, "encoder b8x128")):
+    # the encoder at the batch it ran at (8, or 2 with --quick)
+    enc_batch = next((r["batch"] for r in rows if r["model"].startswith(enc)), 8)
+    for model, batch, label in ((r50, 1, "ResNet-50 b1"), (enc, enc_batch, "encoder")):
         best = _best(rows, model, batch, "fp32")
         ov = _ms(rows, model, batch, "openvino f32")
         plain = _ms(rows, model, batch, PLAIN)
