@@ -60,7 +60,7 @@ def profile(
     from tvm import relax
     from tvm.runtime.vm import VMInstrumentReturnKind
 
-    key = tuple(a.shape for a in feeds.values())
+    key = tuple(tuple(np.shape(feeds[n])) for n in engine._names)
     lib = engine._static.get(key, engine._dynamic)  # the module infer would use
     vm = relax.VirtualMachine(lib, engine._dev)
     args = [engine._to_tvm(np.asarray(feeds[n])) for n in engine._names]
