@@ -221,9 +221,16 @@ def _add_auto_flags(p: argparse.ArgumentParser) -> None:
         "--backend auto", "build every candidate, verify, bench, keep the best"
     )
     g.add_argument(
+        "--backends",
+        default=None,
+        metavar="A,B",
+        help="backends to try (default: every registered one)",
+    )
+    g.add_argument(
         "--precisions",
         default=None,
-        help="precisions to try, e.g. fp32,int8 (default: --precision)",
+        help="precisions to try, e.g. fp32,int8 (default: fp32, bf16 where the CPU has it, "
+        "int8 with --calib-data/--calibration; or --precision when not fp32)",
     )
     g.add_argument(
         "--objective",
@@ -241,7 +248,8 @@ def _auto_requested(args: argparse.Namespace) -> bool:
     """Whether to build with auto; auto-only flags without ``--backend auto`` are a usage error."""
     if args.backend == "auto":
         return True
-    given = [f for f, v in (("--precisions", args.precisions), ("--objective", args.objective),
+    given = [f for f, v in (("--backends", args.backends), ("--precisions", args.precisions),
+             ("--objective", args.objective),
              ("--bench-duration", args.bench_duration), ("--candidate", args.candidate)) if v]  # fmt: skip
     if given:
         raise UsageError(f"{', '.join(given)} only apply with --backend auto")
@@ -258,6 +266,8 @@ def _cmd_build_auto(args: argparse.Namespace, options: dict[str, Any]) -> int:
     if args.bench_duration is not None and not args.bench_duration > 0:
         raise UsageError(f"--bench-duration must be > 0 seconds, got {args.bench_duration}")
     extra: dict[str, Any] = {}
+    if args.backends:
+        extra["backends"] = names(args.backends)
     if args.precisions:
         extra["precisions"] = names(args.precisions)
     if args.candidate:
@@ -277,6 +287,7 @@ def _cmd_build_auto(args: argparse.Namespace, options: dict[str, Any]) -> int:
         rtol=args.rtol,
         rule=args.rule,
         min_cosine=args.min_cosine,
+        verify_data=args.verify_data,
         **_calibration_kwargs(args),
         **extra,
         **options,

@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from enginekit import target as host
 from enginekit.backends import Availability, BuildResult
@@ -414,3 +414,18 @@ def inspect(artifact: Artifact, ir: bool = False) -> dict[str, Any]:
         info["kernel_blocks"] = {k["name"]: k["blocks"] for k in kernels}
         info["relax_ops"] = details.get("graph", {}).get("ops", {})
     return info
+
+
+# -- profile -----------------------------------------------------------------------------------
+
+
+def profile(artifact: Artifact, feeds: dict[str, Any], runs: int, warmup: int) -> list[Any]:
+    """Per-kernel times from the Relax VM's call instrument (:mod:`.profiler`)."""
+    from enginekit.backends.tvm import profiler
+    from enginekit.backends.tvm.runtime import TvmEngine
+
+    engine = load(artifact, "cpu")
+    try:
+        return profiler.profile(cast(TvmEngine, engine), feeds, runs, warmup)
+    finally:
+        engine.close()

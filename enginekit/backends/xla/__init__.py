@@ -478,3 +478,18 @@ def _inspect_ir(artifact: Artifact) -> dict[str, Any]:
         return summary
     finally:
         engine.close()
+
+
+# -- profile -----------------------------------------------------------------------------------
+
+
+def profile(artifact: Artifact, feeds: dict[str, Any], runs: int, warmup: int) -> list[Any]:
+    """Per-HLO-op times from the JAX profiler's XLA thunk events, FLOPs from the optimized
+    HLO (:mod:`.profiler`)."""
+    from enginekit.backends.xla import profiler
+
+    engine = _load(artifact, "cpu")
+    try:
+        return profiler.profile(engine, feeds, runs, warmup)
+    finally:
+        engine.close()
