@@ -177,18 +177,16 @@ class Batcher:
             BatcherClosed: close() was called.
         """
         try:
-            request = self._layout.prepare(sample)
+            feeds, form = self._layout.prepare(sample)
         except EngineInputError:
             with self._cv:
                 self._metrics.submitted += 1
                 self._metrics.outcomes["invalid"] += 1
             raise
-        request.priority = int(priority)
         now = time.monotonic()
-        request.arrival = now
         wait = self.timeout if timeout_ms is None else timeout_ms / 1e3
-        if wait is not None:
-            request.deadline = now + wait
+        deadline = math.inf if wait is None else now + wait
+        request = Request(feeds, form, int(priority), now, deadline)
         with self._cv:
             m = self._metrics
             m.submitted += 1
@@ -309,6 +307,7 @@ class Batcher:
         outputs to the helper thread, which resolves the futures while this one runs the next
         batch. Returns once closing and nothing is left to run."""
         layout, engine, cv, done = self._layout, self.engine, self._cv, self._done
+        buffers: dict[Any, np.ndarray] = {}  # this worker's collation arrays
         ran: tuple[int, float, bool] | None = None
         while True:
             with cv:
@@ -329,14 +328,20 @@ class Batcher:
             rows = sum([r.rows for r in live])
             start = time.perf_counter()
             try:
-                outputs: Any = engine.infer(layout.stack(live))
+                feeds = layout.stack(live, rows, buffers)
+                outputs: Any = engine.infer(feeds)
+                if feeds is not live[0].feeds:
+                    outputs = layout.detach(outputs, buffers)
                 ok = True
             except BaseException as exc:  # handed to the batch's futures
                 outputs, ok = exc, False
                 log.warning("batcher %r: a batch of %d rows failed: %r", self.name, rows, exc)
             elapsed = time.perf_counter() - start
-            done.put((live, outputs, ok))
             ran = (rows, elapsed, ok)
+            if self._queue.count:  # a read without the lock: a hint is enough here
+                done.put((live, outputs, ok))  # the helper resolves; this runs the next batch
+            else:
+                self._finish((live, outputs, ok))  # low load: no thread switch for the results
         with cv:
             self._running -= 1
             last = self._running == 0
