@@ -29,7 +29,7 @@ from enginekit.dataset.autobatch import is_out_of_memory
 from enginekit.dataset.batches import Batch, concat_ids, rebatch
 from enginekit.dataset.progress import Progress
 from enginekit.dataset.sinks import shard_name, write_shard
-from enginekit.dataset.sources import Source
+from enginekit.dataset.sources import Piece, Source
 from enginekit.engine import Engine
 from enginekit.errors import DatasetError
 
@@ -167,7 +167,9 @@ def run_local(
 ) -> int:  # fmt: skip
     """Rows from ``start`` through the engine into committed shards; returns the rows inferred."""
     inbox: queue.Queue = queue.Queue(prefetch)
-    outbox: queue.Queue = queue.Queue(prefetch)
+    # The writer's items hold outputs and ids, not the inputs (dropped below): a longer queue
+    # costs little memory and keeps the engine from blocking while the writer is descheduled.
+    outbox: queue.Queue = queue.Queue(4 * prefetch)
     clock = state.clock
 
     def read() -> None:
@@ -207,7 +209,8 @@ def run_local(
             clock.infer += t2 - t1
             clock.batches += 1
             rows += batch.piece.rows
-            if not _put(outbox, (batch, outputs), state):
+            done = Batch(batch.shard, batch.last, Piece(batch.piece.ids, {}, batch.piece.rows))
+            if not _put(outbox, (done, outputs), state):
                 break
             clock.wait_output += time.perf_counter() - t2
     except BaseException as exc:
