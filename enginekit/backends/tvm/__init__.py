@@ -176,19 +176,20 @@ def _compile(
 
 def _lower(
     mod: Any, target: Any, opts: dict[str, Any], workdir: Path
-) -> tuple[Any, list[dict[str, Any]], set[str]]:
+) -> tuple[Any, list[dict[str, Any]], set[str], list[Any]]:
     """Optimize in ``opts["layout"]`` and compile the dynamic module; returns the optimized
-    graph, the kernels (before scheduling) and the names of the scheduled ones."""
+    graph, the kernels (before scheduling), the names of the scheduled ones and the layout
+    barriers (ops kept NCHW in an NHWC build)."""
     from enginekit.backends.tvm import lower
 
     layout = opts["layout"]
     with step(f"optimizing the Relax program ({layout}, constant folding, fusion)"):
-        graph, fused = lower.optimize(mod, target, layout)
+        graph, fused, barriers = lower.optimize(mod, target, layout)
     # Before scheduling, which rewrites the kernels in place (blocks split into init/update).
     kernels = lower.kernel_summary(fused)
     with step(f"compiling {DYNAMIC} for {target.kind.name} (dynamic batch)"):
         _, scheduled = _compile(fused, target, opts, None, workdir / DYNAMIC)
-    return graph, kernels, scheduled
+    return graph, kernels, scheduled, barriers
 
 
 def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
@@ -214,7 +215,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         mod = frontend.import_onnx(model)
     fallback = None
     try:
-        graph, kernels, scheduled = _lower(mod, target, opts, workdir)
+        graph, kernels, scheduled, barriers = _lower(mod, target, opts, workdir)
     except BuildError as exc:
         if opts["layout"] != "NHWC":
             raise
@@ -223,7 +224,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         fallback = f"NHWC failed, built NCHW: {exc}"
         log.warning("tvm: %s", fallback)
         opts["layout"] = "NCHW"
-        graph, kernels, scheduled = _lower(mod, target, opts, workdir)
+        graph, kernels, scheduled, barriers = _lower(mod, target, opts, workdir)
     layout = opts["layout"]
     compile_s = time.perf_counter() - start
     files = [DYNAMIC]
@@ -247,6 +248,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "transposes": summary["transposes"],
         "conv_layouts": summary["conv_layouts"],
         "layout_notes": ([fallback] if fallback else []) + summary["layout_notes"],
+        "layout_barriers": [b.to_json() for b in barriers],
         "kernels": len(kernels),
         "fused_kernels": sum(1 for k in kernels if k["name"].startswith("fused_")),
         "modules": modules,
@@ -281,7 +283,7 @@ def _tuned_modules(
         label = f"batch {batch}"
         with step(f"tuning {label} ({spec.trials} trials)"):
             mod = frontend.import_onnx(model, shapes)
-            _, fused = lower.optimize(mod, target, opts["layout"])
+            _, fused, _ = lower.optimize(mod, target, opts["layout"])
             runs[str(batch)] = tune.tune(fused, target, spec, db_dir, label)
         name = f"model-b{batch}.so"
         with step(f"compiling {name} with the tuned kernels"):
@@ -400,6 +402,7 @@ def inspect(artifact: Artifact, ir: bool = False) -> dict[str, Any]:
         "transposes": meta.get("transposes"),
         "conv_layouts": meta.get("conv_layouts"),
         "layout_notes": meta.get("layout_notes", []),
+        "layout_barriers": meta.get("layout_barriers", []),
         "target": meta.get("target"),
         "kernels": len(kernels),
         "fused": fused,
