@@ -243,8 +243,10 @@ def full_rank_constants(mod: Any) -> Any:
     return mod
 
 
-def optimize(mod: Any, target: Any, layout: str) -> tuple[Any, Any, list[Any]]:
-    """Steps 1-3 of the module docstring: layout, folding, legalization and fusion.
+def optimize(
+    mod: Any, target: Any, layout: str, precision: str = "fp32"
+) -> tuple[Any, Any, list[Any]]:
+    """Steps 1-3 of the module docstring: layout, (bf16 casts,) folding, legalization, fusion.
 
     Returns:
         (the optimized Relax graph before lowering, the fused module with TIR kernels, the
@@ -268,6 +270,10 @@ def optimize(mod: Any, target: Any, layout: str) -> tuple[Any, Any, list[Any]]:
         # symbolic-shape graphs such as a transformer layer exported from PyTorch.
         if layout == "NHWC" and _has_conv2d(mod):
             mod, barriers = convert_nhwc(full_rank_constants(mod))
+        if precision == "bf16":
+            from enginekit.backends.tvm.precision import to_bf16
+
+            mod = to_bf16(mod)
         graph = tvm.transform.Sequential(
             [relax.transform.FoldConstant(), relax.transform.CanonicalizeBindings()]
         )(mod)
