@@ -15,14 +15,17 @@ from collections.abc import Callable
 from typing import Any
 
 from enginekit.backends.xla.ops import (
+    attention,
     control,
     extra,
     index,
+    loss,
     nn,
     pool,
     quant,
     reduce,
     resize,
+    sample,
     tensor,
 )
 from enginekit.backends.xla.ops import elementwise as ew
@@ -179,6 +182,15 @@ OPS: dict[str, Entry] = {
     "RMSNormalization": extra.RMSNormalization,
     "OneHot": extra.OneHot,
     "ReverseSequence": extra.ReverseSequence,
+    # attention (opset 23+)
+    "Attention": attention.Attention,
+    "RotaryEmbedding": attention.RotaryEmbedding,
+    # sampling
+    "GridSample": sample.GridSample,
+    "AffineGrid": sample.AffineGrid,
+    # losses
+    "NegativeLogLikelihoodLoss": loss.NegativeLogLikelihoodLoss,
+    "SoftmaxCrossEntropyLoss": loss.SoftmaxCrossEntropyLoss,
     # quantization
     "QuantizeLinear": quant.QuantizeLinear,
     "DequantizeLinear": quant.DequantizeLinear,
@@ -221,5 +233,6 @@ STATIC_INPUTS: dict[str, tuple[int, ...]] = {
     "OneHot": (1,),
     "Upsample": (1,),
     "If": (0,),
+    "AffineGrid": (1,),
     **{op: (1,) for op in OPS if op.startswith("Reduce")},
 }
