@@ -25,7 +25,9 @@ from enginekit.backends.xla.ops import (
     quant,
     reduce,
     resize,
+    rnn,
     sample,
+    state,
     tensor,
 )
 from enginekit.backends.xla.ops import elementwise as ew
@@ -188,6 +190,13 @@ OPS: dict[str, Entry] = {
     # sampling
     "GridSample": sample.GridSample,
     "AffineGrid": sample.AffineGrid,
+    # state-space and linear attention (opset 27)
+    "CausalConvWithState": state.CausalConvWithState,
+    "LinearAttention": state.LinearAttention,
+    # recurrent
+    "RNN": rnn.RNN,
+    "GRU": rnn.GRU,
+    "LSTM": rnn.LSTM,
     # losses
     "NegativeLogLikelihoodLoss": loss.NegativeLogLikelihoodLoss,
     "SoftmaxCrossEntropyLoss": loss.SoftmaxCrossEntropyLoss,
