@@ -20,6 +20,7 @@ from enginekit.backends.xla.ops import (
     extra,
     index,
     loss,
+    misc,
     nn,
     pool,
     quant,
@@ -187,6 +188,15 @@ OPS: dict[str, Entry] = {
     # attention (opset 23+)
     "Attention": attention.Attention,
     "RotaryEmbedding": attention.RotaryEmbedding,
+    # newer opsets' smaller ops
+    "BitCast": misc.BitCast,
+    "CenterCropPad": misc.CenterCropPad,
+    "Col2Im": misc.Col2Im,
+    "MaxUnpool": misc.MaxUnpool,
+    "TensorScatter": misc.TensorScatter,
+    "Det": misc.Det,
+    "MatMulInteger": misc.MatMulInteger,
+    "QLinearMatMul": misc.QLinearMatMul,
     # sampling
     "GridSample": sample.GridSample,
     "AffineGrid": sample.AffineGrid,
@@ -243,5 +253,8 @@ STATIC_INPUTS: dict[str, tuple[int, ...]] = {
     "Upsample": (1,),
     "If": (0,),
     "AffineGrid": (1,),
+    "CenterCropPad": (1,),
+    "Col2Im": (1, 2),
+    "MaxUnpool": (2,),
     **{op: (1,) for op in OPS if op.startswith("Reduce")},
 }
