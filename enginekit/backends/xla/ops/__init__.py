@@ -19,6 +19,7 @@ from enginekit.backends.xla.ops import (
     control,
     extra,
     index,
+    loop,
     loss,
     misc,
     nn,
@@ -136,6 +137,8 @@ OPS: dict[str, Entry] = {
     "EyeLike": tensor.EyeLike,
     # control flow
     "If": control.If,
+    "Scan": {8: loop.Scan_8, 9: loop.Scan},
+    "Loop": loop.Loop,
     # neural network
     "Conv": nn.Conv,
     "ConvTranspose": nn.ConvTranspose,
@@ -252,6 +255,7 @@ STATIC_INPUTS: dict[str, tuple[int, ...]] = {
     "OneHot": (1,),
     "Upsample": (1,),
     "If": (0,),
+    "Loop": (0, 1),
     "AffineGrid": (1,),
     "CenterCropPad": (1,),
     "Col2Im": (1, 2),
