@@ -203,6 +203,7 @@ OPS: dict[str, Entry] = {
     # sampling
     "GridSample": sample.GridSample,
     "AffineGrid": sample.AffineGrid,
+    "DeformConv": sample.DeformConv,
     # state-space and linear attention (opset 27)
     "CausalConvWithState": state.CausalConvWithState,
     "LinearAttention": state.LinearAttention,

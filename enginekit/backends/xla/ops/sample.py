@@ -127,3 +127,70 @@ def AffineGrid(theta: Any, size: Any, align_corners: int = 0) -> Any:
     base = jnp.asarray(base.reshape(-1, len(spatial) + 1), t.dtype)
     out = jnp.einsum("pk,njk->npj", base, t)
     return jnp.reshape(out, (dims[0], *spatial, len(spatial)))
+
+
+def _bilinear_zero_padded(data: Any, y: Any, x: Any, lead: tuple[Any, ...]) -> Any:
+    """``data`` [..., H, W, C] sampled at pixel coordinates (y, x); corners outside the image
+    count as zero. ``lead`` are the index arrays of the leading axes."""
+    h, w = data.shape[-3], data.shape[-2]
+    y0, x0 = jnp.floor(y), jnp.floor(x)
+    total: Any = 0
+    for dy in (0, 1):
+        for dx in (0, 1):
+            yy, xx = y0 + dy, x0 + dx
+            weight = (1 - jnp.abs(y - yy)) * (1 - jnp.abs(x - xx))
+            inside = (yy >= 0) & (yy < h) & (xx >= 0) & (xx < w)
+            yi = jnp.clip(yy, 0, h - 1).astype(jnp.int32)
+            xi = jnp.clip(xx, 0, w - 1).astype(jnp.int32)
+            picked = data[(*lead, yi, xi)]
+            total = total + picked * jnp.where(inside, weight, 0)[..., None]
+    return total
+
+
+def DeformConv(
+    X: Any,
+    W: Any,
+    offset: Any,
+    B: Any = None,
+    mask: Any = None,
+    dilations: list[int] | None = None,
+    group: int = 1,
+    kernel_shape: list[int] | None = None,
+    offset_group: int = 1,
+    pads: list[int] | None = None,
+    strides: list[int] | None = None,
+) -> Any:
+    """2-D deformable convolution: every kernel tap reads the input at its own learned offset
+    (bilinear, zero outside), scaled by ``mask``, then one grouped contraction with ``W``."""
+    x, w, off = to_jax(X), to_jax(W), to_jax(offset)
+    if x.ndim != 4:
+        raise OpError(f"DeformConv supports 2-D images ([N, C, H, W]), got rank {x.ndim}")
+    n, c = x.shape[0], x.shape[1]
+    kh, kw = kernel_shape or w.shape[2:]
+    dh, dw = dilations or [1, 1]
+    sh, sw = strides or [1, 1]
+    top, left = (pads or [0, 0, 0, 0])[:2]
+    oh, ow = off.shape[2], off.shape[3]
+    og = offset_group
+    off = jnp.reshape(off, (n, og, kh, kw, 2, oh, ow)).astype(jnp.float32)
+    # Undeformed tap positions, [kH, 1, oH, 1] and [1, kW, 1, oW]; offsets [N, og, kH, kW, oH, oW].
+    base_y = (np.arange(kh) * dh)[:, None, None, None] + (np.arange(oh) * sh - top)[:, None]
+    base_x = (np.arange(kw) * dw)[:, None, None] + (np.arange(ow) * sw - left)[None, :]
+    y = base_y + off[:, :, :, :, 0]
+    xs = base_x + off[:, :, :, :, 1]
+    data = jnp.moveaxis(jnp.reshape(x, (n, og, c // og, *x.shape[2:])), 2, -1)
+    lead = (
+        jnp.reshape(jnp.arange(n), (n, 1, 1, 1, 1, 1)),
+        jnp.reshape(jnp.arange(og), (1, og, 1, 1, 1, 1)),
+    )
+    cols = _bilinear_zero_padded(data.astype(jnp.float32), y, xs, lead)  # [..., Cg]
+    if mask is not None:
+        cols = cols * jnp.reshape(to_jax(mask), (n, og, kh, kw, oh, ow))[..., None]
+    cols = jnp.moveaxis(cols, -1, 2)  # [N, og, Cg, kH, kW, oH, oW]
+    cols = jnp.reshape(cols, (n, group, c // group, kh, kw, oh, ow))
+    kernel = jnp.reshape(w, (group, w.shape[0] // group, c // group, kh, kw))
+    out = jnp.einsum("ngckhab,gockh->ngoab", cols, kernel.astype(jnp.float32), precision="highest")
+    out = jnp.reshape(out, (n, w.shape[0], oh, ow))
+    if B is not None:
+        out = out + to_jax(B).astype(jnp.float32)[None, :, None, None]
+    return out.astype(x.dtype)
