@@ -200,6 +200,8 @@ OPS: dict[str, Entry] = {
     "Det": misc.Det,
     "MatMulInteger": misc.MatMulInteger,
     "QLinearMatMul": misc.QLinearMatMul,
+    "Compress": misc.Compress,
+    "TfIdfVectorizer": misc.TfIdfVectorizer,
     # sampling
     "GridSample": sample.GridSample,
     "AffineGrid": sample.AffineGrid,
@@ -261,5 +263,6 @@ STATIC_INPUTS: dict[str, tuple[int, ...]] = {
     "CenterCropPad": (1,),
     "Col2Im": (1, 2),
     "MaxUnpool": (2,),
+    "Compress": (1,),
     **{op: (1,) for op in OPS if op.startswith("Reduce")},
 }

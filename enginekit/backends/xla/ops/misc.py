@@ -185,3 +185,85 @@ def QLinearMatMul(
         out = out + to_jax(y_zero_point).astype(wide)
     info = jnp.iinfo(out_type)
     return jnp.clip(jnp.round(out), info.min, info.max).astype(out_type)
+
+
+def Compress(input: Any, condition: Any, axis: int | None = None) -> Any:
+    """Needs ``condition`` known when the model is built: it decides the output's shape."""
+    if not is_static(condition):
+        raise OpError(
+            "Compress's condition is computed from the inputs at run time; it decides the "
+            "output's shape, which XLA needs fixed to compile"
+        )
+    keep = np.ravel(np.asarray(condition)).astype(bool)
+    x = to_jax(input) if not is_static(input) else np.asarray(input)
+    m = np if is_static(input) else jnp
+    if axis is None:
+        flat = m.reshape(x, (-1,))
+        picked = np.nonzero(keep[: flat.shape[0]])[0]
+        return flat[picked]
+    a = axes([axis], x.ndim)[0]
+    picked = np.nonzero(keep[: x.shape[a]])[0]
+    return m.take(x, picked, axis=a)
+
+
+def _tfidf_grams(
+    pool: list[int], ngram_counts: list[int], low: int, high: int
+) -> list[tuple[int, list[int]]]:
+    """(index among the pool's n-grams, the n-gram) for every pool n-gram of a counted size."""
+    grams: list[tuple[int, list[int]]] = []
+    position = 0
+    for size, start in enumerate(ngram_counts, start=1):
+        end = ngram_counts[size] if size < len(ngram_counts) else len(pool)
+        for at in range(start, end, size):
+            if low <= size <= high:
+                grams.append((position, pool[at : at + size]))
+            position += 1
+    return grams
+
+
+def TfIdfVectorizer(
+    X: Any,
+    max_gram_length: int = 0,
+    max_skip_count: int = 0,
+    min_gram_length: int = 0,
+    mode: str = "",
+    ngram_counts: list[int] | None = None,
+    ngram_indexes: list[int] | None = None,
+    pool_int64s: list[int] | None = None,
+    pool_strings: list[str] | None = None,
+    weights: list[float] | None = None,
+) -> Any:
+    """Counts of the pool's n-grams (with up to ``max_skip_count`` skipped items between
+    members) per row; unigrams are counted once, not once per skip distance."""
+    if pool_strings or not pool_int64s:
+        raise OpError("TfIdfVectorizer needs pool_int64s (string pools are not supported)")
+    if mode not in ("TF", "IDF", "TFIDF"):
+        raise OpError(f"TfIdfVectorizer mode {mode!r}: expected TF, IDF or TFIDF")
+    indexes = list(ngram_indexes or [])
+    size = max(indexes) + 1
+    x = to_jax(X)
+    rows = x if x.ndim == 2 else x[None, :]
+    length = rows.shape[1]
+    counts = [jnp.zeros((rows.shape[0],), jnp.float32) for _ in range(size)]
+    grams = _tfidf_grams(
+        list(pool_int64s), list(ngram_counts or [0]), min_gram_length, max_gram_length
+    )
+    for position, gram in grams:
+        for step in range(1, (max_skip_count + 1 if len(gram) > 1 else 1) + 1):
+            starts = length - (len(gram) - 1) * step
+            if starts <= 0:
+                continue
+            hit: Any = True
+            for j, item in enumerate(gram):
+                hit = hit & (rows[:, j * step : j * step + starts] == item)
+            slot = indexes[position]
+            counts[slot] = counts[slot] + jnp.sum(hit, axis=1).astype(jnp.float32)
+    tf = jnp.stack(counts, axis=1)
+    w = jnp.asarray(weights, jnp.float32) if weights else None
+    if mode == "IDF":
+        out = jnp.where(tf > 0, w if w is not None else 1.0, 0.0)
+    elif mode == "TFIDF" and w is not None:
+        out = tf * w
+    else:
+        out = tf
+    return out.astype(jnp.float32) if x.ndim == 2 else out[0].astype(jnp.float32)
