@@ -1,7 +1,8 @@
 """ONNX's own backend test data through raw ONNX Runtime and through enginekit, per backend.
 
     python benchmarks/onnx_testdata.py [--backends onnxruntime,tvm,xla] [--dirs simple,node]
-                                       [--limit N] [--budget SECONDS] [--json]
+                                       [--limit N] [--budget SECONDS] [--only PATTERN]
+                                       [--sample N] [--reasons] [--json]
 
 Every case of ``onnx/backend/test/data`` (node, pytorch-converted, pytorch-operator, simple; from
 the installed onnx package; ``node``, which onnx 1.23's wheel does not ship, is made from
@@ -12,6 +13,12 @@ with the case's expected outputs (rtol 1e-3, atol 1e-7, as onnx's backend test r
 per-backend pass counts against raw ONNX Runtime's and the cases a backend fails that raw ONNX
 Runtime passes, with the first line of the error. One process; cases raw ONNX Runtime cannot
 load are skipped for the backends.
+
+``--only PATTERN`` keeps the cases whose ``dir/name`` matches a regular expression, ``--sample N``
+every N-th case (a quick estimate: counts are printed as measured and scaled by N), and
+``--reasons`` groups each backend's failures by the error with case names and numbers replaced
+(most cases first), the list to work down when adding ops. A full run (no ``--only``/``--sample``)
+is the number to report.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -41,6 +49,8 @@ import enginekit as ek  # noqa: E402
 from enginekit.errors import BuildError  # noqa: E402
 
 DIRS = ("node", "pytorch-converted", "pytorch-operator", "simple")
+#: Goal: every other backend passes this fraction of enginekit onnxruntime's passes.
+GOAL = 0.95
 RTOL, ATOL = 1e-3, 1e-7
 
 
@@ -219,14 +229,46 @@ def run_enginekit(case: Case, backend: str, tmp: Path) -> tuple[str | None, str]
     return None, how
 
 
+def reason(error: str) -> str:
+    """An error with what varies between cases (names, numbers, shapes) replaced, so that one
+    cause groups its cases together."""
+    text = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", error)
+    text = re.sub(r"node \S+ \((\w+)\)", r"node … (\1)", text)
+    text = re.sub(r"\(\d[\d, ]*\)|\[\d[\d, ]*\]", "(…)", text)
+    text = re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "N", text)
+    return text[:160]
+
+
+def reasons(failed: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """Failures grouped by :func:`reason`, the largest group first."""
+    groups: dict[str, list[str]] = {}
+    for key, error in sorted(failed.items()):
+        groups.setdefault(reason(error), []).append(key)
+    return sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+
+
+def select(all_cases: list[Case], only: str | None = None, sample: int | None = None) -> list[Case]:
+    """The cases matching ``only`` (a regular expression on ``dir/name``), then every
+    ``sample``-th of them."""
+    if only:
+        pattern = re.compile(only)
+        all_cases = [c for c in all_cases if pattern.search(f"{c.dir}/{c.name}")]
+    if sample and sample > 1:
+        all_cases = all_cases[::sample]
+    return all_cases
+
+
 def run(
     backends: list[str],
     dirs: list[str],
     limit: int | None = None,
     budget: float | None = None,
+    only: str | None = None,
+    sample: int | None = None,
 ) -> dict[str, Any]:
     """Run the cases; the JSON report (also what the test reads)."""
     all_cases, absent = cases(dirs)
+    all_cases = select(all_cases, only, sample)
     if limit is not None:
         all_cases = all_cases[:limit]
     start = time.perf_counter()
@@ -251,6 +293,8 @@ def run(
         "absent": absent,
         "cases": len(ran),
         "of": len(all_cases),
+        "only": only,
+        "sample": sample or 1,
         "raw_onnxruntime": {"passed": len(raw_pass)},
         "backends": {},
         "seconds": round(time.perf_counter() - start, 1),
@@ -265,7 +309,28 @@ def run(
                 k for k, v in res.items() if v["verified_on"] != "generated inputs"
             ),
         }
+    report["goals"] = goals(report)
     return report
+
+
+def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each backend's passes against GOAL x enginekit onnxruntime's (when both ran)."""
+    ran = report["backends"]
+    if "onnxruntime" not in ran:
+        return []
+    base = ran["onnxruntime"]["passed"]
+    return [
+        {
+            "backend": b,
+            "passed": r["passed"],
+            "onnxruntime": base,
+            "ratio": round(r["passed"] / base, 4) if base else None,
+            "goal": GOAL,
+            "met": base > 0 and r["passed"] >= GOAL * base,
+        }
+        for b, r in ran.items()
+        if b != "onnxruntime"
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,8 +339,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dirs", default=",".join(DIRS), help="comma-separated folders of the data")
     p.add_argument("--limit", type=int, help="the first N cases only")
     p.add_argument("--budget", type=float, help="stop starting cases after this many seconds")
+    p.add_argument("--only", metavar="PATTERN", help="cases whose dir/name matches this regex")
+    p.add_argument("--sample", type=int, metavar="N", help="every N-th case (a quick estimate)")
+    p.add_argument(
+        "--reasons", action="store_true", help="group failures by error, largest group first"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
+    if args.sample is not None and args.sample < 1:
+        p.error(f"--sample {args.sample}: expected a positive integer")
+    if args.only:
+        try:
+            re.compile(args.only)
+        except re.error as exc:
+            p.error(f"--only {args.only!r} is not a regular expression: {exc}")
     backends = [b for b in args.backends.split(",") if b]
     for b in backends:
         if b not in ek.backends.names():
@@ -283,7 +360,13 @@ def main(argv: list[str] | None = None) -> int:
         avail = ek.backends.availability(b)
         if not avail.available:
             p.error(f"backend {b!r} is not available here: {avail.reason}")
-    report = run(backends, [d for d in args.dirs.split(",") if d], args.limit, args.budget)
+    dirs = [d for d in args.dirs.split(",") if d]
+    report = run(backends, dirs, args.limit, args.budget, args.only, args.sample)
+    for r in report["backends"].values():
+        r["reasons"] = [
+            {"reason": text, "count": len(keys), "cases": keys}
+            for text, keys in reasons(r["failed_where_raw_passes"])
+        ]
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -301,8 +384,25 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
         )
+        if report["sample"] > 1:
+            raw = report["raw_onnxruntime"]["passed"]
+            print(
+                f"  (every {report['sample']}th case: ~{r['passed'] * report['sample']} of "
+                f"~{raw * report['sample']} estimated for all)"
+            )
+        if args.reasons:
+            for group in r["reasons"]:
+                shown = ", ".join(group["cases"][:6]) + (", …" if group["count"] > 6 else "")
+                print(f"  {group['count']:4d}  {group['reason']}\n        {shown}")
+            continue
         for k, e in sorted(r["failed_where_raw_passes"].items()):
             print(f"  FAIL {k}: {e}")
+    if report["goals"]:
+        print(f"goal: >= {GOAL} x enginekit onnxruntime's passes")
+        for g in report["goals"]:
+            ratio = f"{g['ratio']:.3f}" if g["ratio"] is not None else "-"
+            met = "met" if g["met"] else "NOT met"
+            print(f"  {g['backend']:<12} {g['passed']:5d} / {g['onnxruntime']:5d} = {ratio}  {met}")
     return 0
 
 

@@ -61,3 +61,36 @@ def test_a_case_whose_inputs_cannot_be_generated_builds_with_its_own_data(case):
     with tempfile.TemporaryDirectory() as tmp:
         err, how = runner.run_enginekit(loaded, "onnxruntime", Path(tmp))
     assert err is None and how == "verify_data (asked for)"
+
+
+def test_reasons_group_failures_by_error_with_names_and_numbers_replaced():
+    runner = _runner()
+    failed = {
+        "node/a": "BuildError: node n1 (Foo): op Foo is not supported",
+        "node/b": "BuildError: node n7 (Foo): op Foo is not supported",
+        "node/c": "output 0: max abs error 0.25",
+    }
+    groups = runner.reasons(failed)
+    assert groups[0] == (
+        "BuildError: node … (Foo): op Foo is not supported",
+        ["node/a", "node/b"],
+    )
+    assert groups[1][1] == ["node/c"]
+
+
+def test_only_and_sample_select_cases():
+    runner = _runner()
+    made = [runner.Case(f"test_{n}", "node", Path("m.onnx"), []) for n in ("abs", "add", "and")]
+    assert [c.name for c in runner.select(made, only=r"node/test_a[bn]")] == [
+        "test_abs",
+        "test_and",
+    ]
+    assert [c.name for c in runner.select(made, sample=2)] == ["test_abs", "test_and"]
+
+
+def test_goals_compare_each_backend_with_enginekit_onnxruntime():
+    runner = _runner()
+    report = {"backends": {"onnxruntime": {"passed": 100}, "xla": {"passed": 95}}}
+    (goal,) = runner.goals(report)
+    assert goal["backend"] == "xla" and goal["met"] and goal["ratio"] == 0.95
+    assert runner.goals({"backends": {"xla": {"passed": 3}}}) == []

@@ -15,14 +15,21 @@ from collections.abc import Callable
 from typing import Any
 
 from enginekit.backends.xla.ops import (
+    attention,
     control,
     extra,
     index,
+    loop,
+    loss,
+    misc,
     nn,
     pool,
     quant,
     reduce,
     resize,
+    rnn,
+    sample,
+    state,
     tensor,
 )
 from enginekit.backends.xla.ops import elementwise as ew
@@ -130,6 +137,8 @@ OPS: dict[str, Entry] = {
     "EyeLike": tensor.EyeLike,
     # control flow
     "If": control.If,
+    "Scan": {8: loop.Scan_8, 9: loop.Scan},
+    "Loop": loop.Loop,
     # neural network
     "Conv": nn.Conv,
     "ConvTranspose": nn.ConvTranspose,
@@ -179,6 +188,34 @@ OPS: dict[str, Entry] = {
     "RMSNormalization": extra.RMSNormalization,
     "OneHot": extra.OneHot,
     "ReverseSequence": extra.ReverseSequence,
+    # attention (opset 23+)
+    "Attention": attention.Attention,
+    "RotaryEmbedding": attention.RotaryEmbedding,
+    # newer opsets' smaller ops
+    "BitCast": misc.BitCast,
+    "CenterCropPad": misc.CenterCropPad,
+    "Col2Im": misc.Col2Im,
+    "MaxUnpool": misc.MaxUnpool,
+    "TensorScatter": misc.TensorScatter,
+    "Det": misc.Det,
+    "MatMulInteger": misc.MatMulInteger,
+    "QLinearMatMul": misc.QLinearMatMul,
+    "Compress": misc.Compress,
+    "TfIdfVectorizer": misc.TfIdfVectorizer,
+    # sampling
+    "GridSample": sample.GridSample,
+    "AffineGrid": sample.AffineGrid,
+    "DeformConv": sample.DeformConv,
+    # state-space and linear attention (opset 27)
+    "CausalConvWithState": state.CausalConvWithState,
+    "LinearAttention": state.LinearAttention,
+    # recurrent
+    "RNN": rnn.RNN,
+    "GRU": rnn.GRU,
+    "LSTM": rnn.LSTM,
+    # losses
+    "NegativeLogLikelihoodLoss": loss.NegativeLogLikelihoodLoss,
+    "SoftmaxCrossEntropyLoss": loss.SoftmaxCrossEntropyLoss,
     # quantization
     "QuantizeLinear": quant.QuantizeLinear,
     "DequantizeLinear": quant.DequantizeLinear,
@@ -221,5 +258,11 @@ STATIC_INPUTS: dict[str, tuple[int, ...]] = {
     "OneHot": (1,),
     "Upsample": (1,),
     "If": (0,),
+    "Loop": (0, 1),
+    "AffineGrid": (1,),
+    "CenterCropPad": (1,),
+    "Col2Im": (1, 2),
+    "MaxUnpool": (2,),
+    "Compress": (1,),
     **{op: (1,) for op in OPS if op.startswith("Reduce")},
 }
