@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from enginekit.artifact import Artifact
     from enginekit.backends.xla.runtime import XlaEngine
     from enginekit.config import BuildConfig
-    from enginekit.engine import Engine
+    from enginekit.engine import Engine, TensorSpec
     from enginekit.model import Model
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 NAME = "xla"
 PROGRAM = "model.stablehlo"
 WEIGHTS = "weights.safetensors"
+#: The ONNX model, kept when value inputs need programs lowered at inference (values.py).
+MODEL = "model.onnx"
 #: bf16/fp16: weights and activations in that type, statistics and softmax in float32
 #: (``lower.WIDE_OPS``); inputs and outputs stay float32. Verification gates them.
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -168,7 +171,7 @@ def _platform(device: str) -> str:
 
 def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     """Lower, export with symbolic dims, measure layouts and XLA options, write the payload."""
-    from enginekit.backends.xla import check, lower, program
+    from enginekit.backends.xla import check, lower, program, values
     from enginekit.backends.xla import layout as lay
     from enginekit.backends.xla import precision as reduced
 
@@ -182,34 +185,51 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         )
     proto = lower.prepare(model.proto)
     check.check(proto)
+    found = values.find(proto)
+    example: dict[str, np.ndarray] = {}
+    specs = list(model.inputs)
+    if found:
+        values.check_sizes(found, _max_sizes(model, config), model.label)
+        example = _example_values(model, config, found)
+        specs = [s for s in model.inputs if s.name not in found]
+        log.info("xla: value inputs %s: program specialized to %s", ", ".join(found),
+                 values.describe(example))  # fmt: skip
     has_convs = any(n.op_type in lay.ANCHORS for n in proto.graph.node)
     layouts = [opts.layout] if opts.layout != "auto" else ["nhwc", "nchw"]
     if not has_convs:
         layouts = [layouts[0]]
-    dims = program.symbolic_dims(model.inputs, config.profiles)
-    bounds = program.symbol_bounds(model.inputs, config.profiles, dims)
+    dims = program.symbolic_dims(specs, config.profiles)
+    bounds = program.symbol_bounds(specs, config.profiles, dims)
     device = _device(config.device)
     platform = _platform(config.device)
+    bound = values.bind(proto, example) if found else proto
     candidates: dict[str, tuple[Any, Any, Any]] = {}
     for layout in layouts:
-        lowered = lower.lower(proto, layout, precision=precision)
-        exported = program.export(lowered.fn, lowered.weights, model.inputs, dims, platform, bounds)
+        lowered = lower.lower(bound, layout, precision=precision)
+        exported = program.export(lowered.fn, lowered.weights, specs, dims, platform, bounds)
         on_device = _put(lowered.weights, device)
         candidates[layout] = (lowered, exported, on_device)
     flag_sets = _flag_sets(opts.xla_flags, platform)
-    trials = _tune(model, config, candidates, flag_sets, device, opts)
+    trials = _tune(model, specs, config, candidates, flag_sets, device, opts)
     layout, flags_name = (
         (trials[0]["layout"], trials[0]["flags"]) if len(trials) == 1 else _winner(trials)
     )
     lowered, exported, on_device = candidates[layout]
     buckets = opts.buckets
-    if buckets == "pow2" and not _padding_safe(
+    why_exact = "batch rows interact: padding would change results"
+    if found:
+        buckets, why_exact = "exact", "value inputs: one program per set of values"
+    elif buckets == "pow2" and not _padding_safe(
         model, config, exported, on_device, flag_sets[flags_name], device
     ):
         log.warning("xla: the model's batch rows interact; using one program per batch size")
         buckets = "exact"
     (workdir / PROGRAM).write_bytes(program.serialize(exported))
     _save_weights(workdir / WEIGHTS, lowered.weight_names, lowered.weights)
+    files = [PROGRAM, WEIGHTS]
+    if found:
+        _save_model(workdir / MODEL, proto)
+        files.append(MODEL)
     metadata = {
         "layout": layout,
         "layout_choice": _layout_note(opts.layout, has_convs),
@@ -217,9 +237,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "xla_flags": flags_name,
         "tuning": trials,
         "buckets": buckets,
-        "buckets_choice": "requested"
-        if buckets == opts.buckets
-        else "batch rows interact: padding would change results",
+        "buckets_choice": "requested" if buckets == opts.buckets else why_exact,
         "symbolic_dims": dims,
         "symbolic_constraints": list(program.constraints(bounds)),
         "platform": platform,
@@ -234,10 +252,11 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         },
         "opset": check.opset_of(proto),
         "load_options": {"cache_dir": opts.cache_dir, "precompile": opts.precompile},
+        "value_inputs": _value_metadata(found, example),
     }
     # StableHLO is portable: XLA compiles for the loading host, so no ISA is required here.
     return BuildResult(
-        files=(PROGRAM, WEIGHTS),
+        files=tuple(files),
         metadata=metadata,
         target={"kind": "cuda" if platform == "cuda" else "cpu"},
     )
@@ -249,6 +268,57 @@ def _layout_note(requested: str, has_convs: bool) -> str:
     if requested == "auto":
         return "measured at build time"
     return "requested" if requested != DEFAULT_LAYOUT else "default"
+
+
+def _max_sizes(model: Model, config: BuildConfig) -> dict[str, int | None]:
+    """Per input, the most elements it may hold under the build's profiles (None: unbounded)."""
+    out: dict[str, int | None] = {}
+    for spec in model.inputs:
+        fixed = [d for d in spec.shape if isinstance(d, int)]
+        if len(fixed) == len(spec.shape):
+            out[spec.name] = math.prod(fixed)
+            continue
+        tops = [int(np.prod(p[spec.name].max)) for p in config.profiles if spec.name in p]
+        out[spec.name] = max(tops) if tops else None
+    return out
+
+
+def _example_values(
+    model: Model, config: BuildConfig, found: Mapping[str, str]
+) -> dict[str, np.ndarray]:
+    """The value inputs' values in the first verification inputs (so verifying hits the
+    program compiled here): valid shapes, indices and sizes (``enginekit.feeds``)."""
+    from enginekit.feeds import make_feeds
+    from enginekit.model import reference_session
+    from enginekit.verify import verification_points
+
+    shapes = verification_points(model, config.profiles)[0]
+    feeds = make_feeds(model, shapes, seed=config.seed, session=reference_session(model))
+    return {n: feeds[n] for n in found}
+
+
+def _value_metadata(found: Mapping[str, str], example: Mapping[str, np.ndarray]) -> Any:
+    from enginekit.backends.xla import values
+
+    if not found:
+        return None
+    return {
+        "inputs": dict(found),
+        "programs": [{"values": values.to_json(example), "program": PROGRAM, "weights": WEIGHTS}],
+        "model": MODEL,
+        "cache_size": values.CACHE_SIZE,
+    }
+
+
+def _save_model(path: Path, proto: Any) -> None:
+    try:
+        path.write_bytes(proto.SerializeToString())
+    except ValueError as exc:  # protobuf's 2 GB limit
+        raise BuildError(
+            f"the model cannot be kept for value-specialized programs ({exc}); its value "
+            "inputs need it at inference. Fix those inputs as constants, or build with "
+            "--backend onnxruntime"
+        ) from None
 
 
 def _flag_sets(choice: Any, platform: str) -> dict[str, dict[str, Any]]:
@@ -264,6 +334,7 @@ def _flag_sets(choice: Any, platform: str) -> dict[str, dict[str, Any]]:
 
 def _tune(
     model: Model,
+    specs: list[TensorSpec],
     config: BuildConfig,
     candidates: Mapping[str, tuple[Any, Any, Any]],
     flag_sets: Mapping[str, Mapping[str, Any]],
@@ -279,13 +350,13 @@ def _tune(
         layout = next(iter(candidates))
         return [{"layout": layout, "flags": next(iter(flag_sets)), "ms": None, "compile_s": None}]
     profile = config.profiles[0] if config.profiles else None
-    shapes = concrete_shapes(model.inputs, profile, "opt")
+    shapes = concrete_shapes(specs, profile, "opt")
     batched = all(s.shape and isinstance(s.shape[0], str) for s in model.inputs)
     if batched and opts.buckets == "pow2":
         cap = min(p[n].max[0] for p in config.profiles[:1] for n in p) if config.profiles else None
         shapes = {n: (bucket(s[0], cap), *s[1:]) for n, s in shapes.items()}
-    feeds = random_feeds(model.inputs, shapes, seed=config.seed)
-    arrays = [feeds[s.name] for s in model.inputs]
+    feeds = random_feeds(specs, shapes, seed=config.seed)
+    arrays = [feeds[s.name] for s in specs]
     programs = {
         layout: (exported, weights) for layout, (_, exported, weights) in candidates.items()
     }
@@ -409,12 +480,53 @@ def _load(artifact: Artifact, device: str) -> XlaEngine:
     )
     if options.cache_dir:
         _use_cache_dir(options.cache_dir)
+    specializer, build_values = _specializer(artifact, meta, target)
     engine = XlaEngine(
-        exported, weights, manifest, meta["compiler_options"], meta.get("buckets", "exact"), target
+        exported,
+        weights,
+        manifest,
+        meta["compiler_options"],
+        meta.get("buckets", "exact"),
+        target,
+        specializer,
+        build_values,
     )
     if options.precompile:
         engine.warm(_precompile_sizes(engine, options.precompile))
     return engine
+
+
+def _specializer(artifact: Artifact, meta: Mapping[str, Any], target: Any) -> tuple[Any, Any]:
+    """For an engine with value inputs: what lowers a program for new values, and the values
+    the stored program was specialized to; (None, None) otherwise."""
+    from enginekit.backends.xla import program, values
+    from enginekit.config import BuildConfig
+    from enginekit.engine import TensorSpec
+
+    spec = meta.get("value_inputs")
+    if not spec:
+        return None, None
+    stored = spec["programs"][0]
+    if stored.get("program") != PROGRAM:
+        raise ArtifactError(f"{artifact.path}: unknown value-program layout; rebuild it")
+    found = dict(spec["inputs"])
+    config = BuildConfig.from_json(artifact.manifest["config"])
+    specs = [
+        s
+        for s in (TensorSpec.from_json(i) for i in artifact.manifest["inputs"])
+        if s.name not in found
+    ]
+    dims = program.symbolic_dims(specs, config.profiles)
+    recipe = values.Recipe(
+        layout=meta["layout"],
+        precision=config.precision.value,
+        dims=dims,
+        bounds=program.symbol_bounds(specs, config.profiles, dims),
+        platform=meta.get("platform", "cpu"),
+    )
+    put = lambda w: _put([w], target)[0]  # noqa: E731
+    model_bytes = artifact.read(spec.get("model", MODEL))
+    return values.Specializer(model_bytes, recipe, put), values.from_json(stored["values"])
 
 
 def _precompile_sizes(engine: Any, choice: Any) -> list[int]:
@@ -444,6 +556,7 @@ def inspect(artifact: Artifact, ir: bool = False) -> dict[str, Any]:
         "compiler_options": meta.get("compiler_options"),
         "buckets": meta.get("buckets"),
         "symbolic_dims": meta.get("symbolic_dims"),
+        "value_inputs": (meta.get("value_inputs") or {}).get("inputs"),
         "weights": len(meta.get("weight_names", [])),
         "lowering": meta.get("lowering"),
         "tuning": meta.get("tuning"),
@@ -467,7 +580,7 @@ def _inspect_ir(artifact: Artifact) -> dict[str, Any]:
     try:
         profile = engine.profiles[0] if engine.profiles else None
         shapes = concrete_shapes(engine.inputs, profile, "opt")
-        compiled = engine.executable([shapes[s.name] for s in engine.inputs])
+        compiled = engine.executable([shapes[n] for n in engine.program_inputs])
         summary = program.hlo_summary(compiled)
         text = engine.exported.mlir_module()
         ops: dict[str, int] = {}
