@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -189,11 +188,9 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     example: dict[str, np.ndarray] = {}
     specs = list(model.inputs)
     if found:
-        values.check_sizes(found, _max_sizes(model, config), model.label)
-        example = _example_values(model, config, found)
+        values.check_sizes(found, values.max_sizes(model.inputs, config.profiles), model.label)
+        example = values.example_values(model, config.profiles, config.seed, found)
         specs = [s for s in model.inputs if s.name not in found]
-        log.info("xla: value inputs %s: program specialized to %s", ", ".join(found),
-                 values.describe(example))  # fmt: skip
     has_convs = any(n.op_type in lay.ANCHORS for n in proto.graph.node)
     layouts = [opts.layout] if opts.layout != "auto" else ["nhwc", "nchw"]
     if not has_convs:
@@ -202,19 +199,32 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     bounds = program.symbol_bounds(specs, config.profiles, dims)
     device = _device(config.device)
     platform = _platform(config.device)
-    bound = values.bind(proto, example) if found else proto
-    candidates: dict[str, tuple[Any, Any, Any]] = {}
-    for layout in layouts:
-        lowered = lower.lower(bound, layout, precision=precision)
-        exported = program.export(lowered.fn, lowered.weights, specs, dims, platform, bounds)
-        on_device = _put(lowered.weights, device)
-        candidates[layout] = (lowered, exported, on_device)
     flag_sets = _flag_sets(opts.xla_flags, platform)
-    trials = _tune(model, specs, config, candidates, flag_sets, device, opts)
-    layout, flags_name = (
-        (trials[0]["layout"], trials[0]["flags"]) if len(trials) == 1 else _winner(trials)
-    )
-    lowered, exported, on_device = candidates[layout]
+    try:
+        candidates = _candidates(
+            values.bind(proto, example) if found else proto,
+            layouts, precision, specs, dims, bounds, platform, device,
+        )  # fmt: skip
+    except BuildError as exc:
+        if not found:
+            raise
+        # Example values the model rejects (generated ones can be): nothing to compile or
+        # tune here; programs compile at first use, verification says if the values are bad.
+        log.warning("xla: no program for %s (%s)", values.describe(example), exc)
+        candidates, example = {}, {}
+    files = [MODEL] if found else []
+    if candidates:
+        trials = _tune(model, specs, config, candidates, flag_sets, device, opts)
+        layout, flags_name = (
+            (trials[0]["layout"], trials[0]["flags"]) if len(trials) == 1 else _winner(trials)
+        )
+        lowered, exported, on_device = candidates[layout]
+        (workdir / PROGRAM).write_bytes(program.serialize(exported))
+        _save_weights(workdir / WEIGHTS, lowered.weight_names, lowered.weights)
+        files += [PROGRAM, WEIGHTS]
+    else:
+        trials, layout, lowered = [], layouts[0], None
+        flags_name = "xla-default" if "xla-default" in flag_sets else next(iter(flag_sets))
     buckets = opts.buckets
     why_exact = "batch rows interact: padding would change results"
     if found:
@@ -224,12 +234,8 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     ):
         log.warning("xla: the model's batch rows interact; using one program per batch size")
         buckets = "exact"
-    (workdir / PROGRAM).write_bytes(program.serialize(exported))
-    _save_weights(workdir / WEIGHTS, lowered.weight_names, lowered.weights)
-    files = [PROGRAM, WEIGHTS]
     if found:
-        _save_model(workdir / MODEL, proto)
-        files.append(MODEL)
+        values.save_model(workdir / MODEL, proto)
     metadata = {
         "layout": layout,
         "layout_choice": _layout_note(opts.layout, has_convs),
@@ -242,9 +248,9 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "symbolic_constraints": list(program.constraints(bounds)),
         "platform": platform,
         "jax_version": jax.__version__,
-        "weight_names": list(lowered.weight_names),
-        "weight_layouts": list(lowered.weight_layouts),
-        "lowering": dict(lowered.stats),
+        "weight_names": list(lowered.weight_names) if lowered else [],
+        "weight_layouts": list(lowered.weight_layouts) if lowered else [],
+        "lowering": dict(lowered.stats) if lowered else {},
         "precision": {
             "weights_and_activations": precision,
             "float32_ops": sorted(reduced.WIDE_OPS) if precision != "fp32" else [],
@@ -252,7 +258,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         },
         "opset": check.opset_of(proto),
         "load_options": {"cache_dir": opts.cache_dir, "precompile": opts.precompile},
-        "value_inputs": _value_metadata(found, example),
+        "value_inputs": values.metadata(found, example, PROGRAM, WEIGHTS, MODEL),
     }
     # StableHLO is portable: XLA compiles for the loading host, so no ISA is required here.
     return BuildResult(
@@ -262,63 +268,33 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     )
 
 
+def _candidates(
+    proto: Any,
+    layouts: list[str],
+    precision: str,
+    specs: list[TensorSpec],
+    dims: Any,
+    bounds: Any,
+    platform: str,
+    device: Any,
+) -> dict[str, tuple[Any, Any, Any]]:
+    """Per layout: the lowered model, its exported program and its weights on the device."""
+    from enginekit.backends.xla import lower, program
+
+    candidates: dict[str, tuple[Any, Any, Any]] = {}
+    for layout in layouts:
+        lowered = lower.lower(proto, layout, precision=precision)
+        exported = program.export(lowered.fn, lowered.weights, specs, dims, platform, bounds)
+        candidates[layout] = (lowered, exported, _put(lowered.weights, device))
+    return candidates
+
+
 def _layout_note(requested: str, has_convs: bool) -> str:
     if not has_convs:
         return "no convolutions or pools: layout does not apply"
     if requested == "auto":
         return "measured at build time"
     return "requested" if requested != DEFAULT_LAYOUT else "default"
-
-
-def _max_sizes(model: Model, config: BuildConfig) -> dict[str, int | None]:
-    """Per input, the most elements it may hold under the build's profiles (None: unbounded)."""
-    out: dict[str, int | None] = {}
-    for spec in model.inputs:
-        fixed = [d for d in spec.shape if isinstance(d, int)]
-        if len(fixed) == len(spec.shape):
-            out[spec.name] = math.prod(fixed)
-            continue
-        tops = [int(np.prod(p[spec.name].max)) for p in config.profiles if spec.name in p]
-        out[spec.name] = max(tops) if tops else None
-    return out
-
-
-def _example_values(
-    model: Model, config: BuildConfig, found: Mapping[str, str]
-) -> dict[str, np.ndarray]:
-    """The value inputs' values in the first verification inputs (so verifying hits the
-    program compiled here): valid shapes, indices and sizes (``enginekit.feeds``)."""
-    from enginekit.feeds import make_feeds
-    from enginekit.model import reference_session
-    from enginekit.verify import verification_points
-
-    shapes = verification_points(model, config.profiles)[0]
-    feeds = make_feeds(model, shapes, seed=config.seed, session=reference_session(model))
-    return {n: feeds[n] for n in found}
-
-
-def _value_metadata(found: Mapping[str, str], example: Mapping[str, np.ndarray]) -> Any:
-    from enginekit.backends.xla import values
-
-    if not found:
-        return None
-    return {
-        "inputs": dict(found),
-        "programs": [{"values": values.to_json(example), "program": PROGRAM, "weights": WEIGHTS}],
-        "model": MODEL,
-        "cache_size": values.CACHE_SIZE,
-    }
-
-
-def _save_model(path: Path, proto: Any) -> None:
-    try:
-        path.write_bytes(proto.SerializeToString())
-    except ValueError as exc:  # protobuf's 2 GB limit
-        raise BuildError(
-            f"the model cannot be kept for value-specialized programs ({exc}); its value "
-            "inputs need it at inference. Fix those inputs as constants, or build with "
-            "--backend onnxruntime"
-        ) from None
 
 
 def _flag_sets(choice: Any, platform: str) -> dict[str, dict[str, Any]]:
@@ -457,7 +433,7 @@ def load(artifact: Artifact, device: str) -> Engine:
 
 
 def _load(artifact: Artifact, device: str) -> XlaEngine:
-    from enginekit.backends.xla import program
+    from enginekit.backends.xla import program, values
     from enginekit.backends.xla.runtime import XlaEngine
 
     _jax()  # BackendUnavailable, with what to install, before reading anything
@@ -471,16 +447,20 @@ def _load(artifact: Artifact, device: str) -> XlaEngine:
             f"{artifact.path}: built for {meta.get('platform')}, asked to load on {device}; "
             f"rebuild with --device {device}"
         )
-    exported = program.deserialize(artifact.read(PROGRAM))
     target = _device(device)
-    stored = _load_weights(artifact, list(meta["weight_names"]))
-    takes = [a.dtype for a in exported.in_avals[: len(stored)]]
-    weights = list(
-        _put([w.astype(t) if w.dtype != t else w for w, t in zip(stored, takes)], target)
+    specializer, build_values = values.load_specializer(
+        artifact, meta, lambda w: _put([w], target)[0]
     )
+    exported, weights = None, []
+    if PROGRAM in artifact.manifest.get("payload", {}):
+        exported = program.deserialize(artifact.read(PROGRAM))
+        stored = _load_weights(artifact, list(meta["weight_names"]))
+        takes = [a.dtype for a in exported.in_avals[: len(stored)]]
+        weights = list(
+            _put([w.astype(t) if w.dtype != t else w for w, t in zip(stored, takes)], target)
+        )
     if options.cache_dir:
         _use_cache_dir(options.cache_dir)
-    specializer, build_values = _specializer(artifact, meta, target)
     engine = XlaEngine(
         exported,
         weights,
@@ -494,39 +474,6 @@ def _load(artifact: Artifact, device: str) -> XlaEngine:
     if options.precompile:
         engine.warm(_precompile_sizes(engine, options.precompile))
     return engine
-
-
-def _specializer(artifact: Artifact, meta: Mapping[str, Any], target: Any) -> tuple[Any, Any]:
-    """For an engine with value inputs: what lowers a program for new values, and the values
-    the stored program was specialized to; (None, None) otherwise."""
-    from enginekit.backends.xla import program, values
-    from enginekit.config import BuildConfig
-    from enginekit.engine import TensorSpec
-
-    spec = meta.get("value_inputs")
-    if not spec:
-        return None, None
-    stored = spec["programs"][0]
-    if stored.get("program") != PROGRAM:
-        raise ArtifactError(f"{artifact.path}: unknown value-program layout; rebuild it")
-    found = dict(spec["inputs"])
-    config = BuildConfig.from_json(artifact.manifest["config"])
-    specs = [
-        s
-        for s in (TensorSpec.from_json(i) for i in artifact.manifest["inputs"])
-        if s.name not in found
-    ]
-    dims = program.symbolic_dims(specs, config.profiles)
-    recipe = values.Recipe(
-        layout=meta["layout"],
-        precision=config.precision.value,
-        dims=dims,
-        bounds=program.symbol_bounds(specs, config.profiles, dims),
-        platform=meta.get("platform", "cpu"),
-    )
-    put = lambda w: _put([w], target)[0]  # noqa: E731
-    model_bytes = artifact.read(spec.get("model", MODEL))
-    return values.Specializer(model_bytes, recipe, put), values.from_json(stored["values"])
 
 
 def _precompile_sizes(engine: Any, choice: Any) -> list[int]:
@@ -578,6 +525,9 @@ def _inspect_ir(artifact: Artifact) -> dict[str, Any]:
     manifest = artifact.manifest
     engine = _load(artifact, manifest.get("config", {}).get("device", "cpu"))
     try:
+        if engine.exported is None:
+            return {"note": "no program was compiled at build (value inputs whose example "
+                    "values did not lower); each set of values compiles its own at first use"}  # fmt: skip
         profile = engine.profiles[0] if engine.profiles else None
         shapes = concrete_shapes(engine.inputs, profile, "opt")
         compiled = engine.executable([shapes[n] for n in engine.program_inputs])

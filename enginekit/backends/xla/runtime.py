@@ -17,7 +17,7 @@ import numpy as np
 from enginekit.backends.xla import program, values
 from enginekit.config import BuildConfig
 from enginekit.engine import Engine, TensorSpec
-from enginekit.errors import BuildError, EngineInputError
+from enginekit.errors import BuildError, EngineInputError, EnginekitError
 
 
 def bucket(rows: int, cap: int | None) -> int:
@@ -115,19 +115,21 @@ class XlaEngine(Engine):
             dict(manifest),
         )
         self.compiler_options = dict(compiler_options)
-        self.value_inputs = tuple(n for n in self._names if n in (build_values or {}))
+        self._specializer = specializer
+        self.value_inputs = specializer.names if specializer is not None else ()
         self.padding = (
             buckets == "pow2" and self._batched and self._outputs_batched and not self.value_inputs
         )
         self._device = device
         self._program_specs = [s for s in self.inputs if s.name not in self.value_inputs]
-        dtypes = [np.dtype(s.dtype) for s in self._program_specs]
-        self._main = Program(exported, weights, dtypes, self.compiler_options, device)
         self._out_names = [o.name for o in self.outputs]
-        self._specializer = specializer
         self._cache: values.ProgramCache[Program] = values.ProgramCache()
-        if self.value_inputs:
-            assert build_values is not None
+        # None: value inputs whose build-time example did not lower; all compile on first use.
+        self._main: Program | None = None
+        if exported is not None:
+            dtypes = [np.dtype(s.dtype) for s in self._program_specs]
+            self._main = Program(exported, weights, dtypes, self.compiler_options, device)
+        if self._main is not None and self.value_inputs and build_values:
             self._cache.put(values.key(build_values), self._main)
             self._main.label = values.describe(build_values)
 
@@ -135,7 +137,7 @@ class XlaEngine(Engine):
     def exported(self) -> Any:
         """The deserialized ``jax.export.Exported`` program (symbolic dims); with value inputs,
         the one specialized to the build's example values."""
-        return self._main.exported
+        return self._main.exported if self._main is not None else None
 
     @property
     def program_inputs(self) -> tuple[str, ...]:
@@ -147,6 +149,7 @@ class XlaEngine(Engine):
         """Compiled executables so far: input shapes (and values, for value inputs) -> compile
         seconds."""
         held = [p for _, p in self._cache.items()] if self.value_inputs else [self._main]
+        held = [p for p in held if p is not None]
         out = {}
         for p in held:
             for key, seconds in list(p.compile_s.items()):
@@ -157,6 +160,11 @@ class XlaEngine(Engine):
     def executable(self, shapes: Sequence[tuple[int, ...]]) -> Any:
         """The build program's executable for these exact shapes of :attr:`program_inputs`,
         compiled on first request."""
+        if self._main is None:
+            raise EnginekitError(
+                "this XLA engine has no build-time program (its value inputs' example values "
+                "did not lower); infer() compiles one per set of values"
+            )
         return self._main.executable(shapes)
 
     def warm(self, batch_sizes: Sequence[int]) -> None:
@@ -164,6 +172,8 @@ class XlaEngine(Engine):
         from enginekit.model import concrete_shapes
 
         profile = self.profiles[0] if self.profiles else None
+        if self._main is None:
+            return
         for b in batch_sizes:
             size = bucket(b, self._max_batch) if self.padding else b
             shapes = concrete_shapes(self.inputs, profile, "opt")
@@ -171,6 +181,7 @@ class XlaEngine(Engine):
 
     def _program(self, feeds: Mapping[str, np.ndarray]) -> Program:
         if not self.value_inputs:
+            assert self._main is not None
             return self._main
         held = {n: np.asarray(feeds[n]) for n in self.value_inputs}
         return self._cache.get(values.key(held), lambda: self._specialize(held))
@@ -205,4 +216,5 @@ class XlaEngine(Engine):
         for _, p in self._cache.items():
             p.close()
         self._cache.clear()
-        self._main.close()
+        if self._main is not None:
+            self._main.close()

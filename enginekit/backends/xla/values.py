@@ -17,17 +17,25 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from enginekit.backends.xla.check import node_label, subgraphs
+from enginekit.config import ShapeProfile
+from enginekit.engine import TensorSpec
 from enginekit.errors import BuildError
+
+if TYPE_CHECKING:
+    from enginekit.artifact import Artifact
+    from enginekit.model import Model
 
 #: A value input may hold at most this many elements: it is read on the host and becomes part
 #: of the program's cache key (a shape or an index list, not a tensor of data).
@@ -125,6 +133,107 @@ def check_sizes(
                 f"but {name!r} holds {held} elements (at most {VALUE_LIMIT}). Fix its shape "
                 "with shapes=, or build with --backend onnxruntime"
             )
+
+
+def max_sizes(
+    specs: Sequence[TensorSpec], profiles: Sequence[Mapping[str, ShapeProfile]]
+) -> dict[str, int | None]:
+    """Per input, the most elements it may hold under the profiles (None: unbounded)."""
+    out: dict[str, int | None] = {}
+    for spec in specs:
+        fixed = [d for d in spec.shape if isinstance(d, int)]
+        if len(fixed) == len(spec.shape):
+            out[spec.name] = math.prod(fixed)
+            continue
+        tops = [math.prod(p[spec.name].max) for p in profiles if spec.name in p]
+        out[spec.name] = max(tops) if tops else None
+    return out
+
+
+def example_values(
+    model: Model,
+    profiles: Sequence[Mapping[str, ShapeProfile]],
+    seed: int,
+    found: Mapping[str, str],
+) -> dict[str, np.ndarray]:
+    """The value inputs' values in the build's first verification inputs, so verifying runs
+    the program compiled at build: shapes, sizes and indices the model accepts
+    (:func:`enginekit.feeds.make_feeds`)."""
+    from enginekit.feeds import make_feeds
+    from enginekit.model import reference_session
+    from enginekit.verify import verification_points
+
+    shapes = verification_points(model, profiles)[0]
+    try:
+        feeds = make_feeds(model, shapes, seed=seed, session=reference_session(model))
+    except BuildError:  # no generated value runs: verification asks for verify_data=
+        feeds = make_feeds(model, shapes, seed=seed)
+    return {n: feeds[n] for n in found}
+
+
+def metadata(
+    found: Mapping[str, str],
+    example: Mapping[str, np.ndarray],
+    program: str,
+    weights: str,
+    model: str,
+) -> dict[str, Any] | None:
+    """``backend.metadata.value_inputs``: what each input feeds, the programs the artifact
+    holds (by the values they were specialized to), the model file; None without value inputs."""
+    if not found:
+        return None
+    programs = [{"values": to_json(example), "program": program, "weights": weights}]
+    return {
+        "inputs": dict(found),
+        "programs": programs if example else [],
+        "model": model,
+        "cache_size": CACHE_SIZE,
+    }
+
+
+def save_model(path: Path, proto: onnx.ModelProto) -> None:
+    """Keep the ONNX model in the payload: new values lower from it at inference.
+
+    Raises:
+        BuildError: the model is past protobuf's 2 GB.
+    """
+    try:
+        path.write_bytes(proto.SerializeToString())
+    except ValueError as exc:
+        raise BuildError(
+            f"the model cannot be kept for value-specialized programs ({exc}); its value "
+            "inputs need it at inference. Make those inputs constants, or build with "
+            "--backend onnxruntime"
+        ) from None
+
+
+def load_specializer(
+    artifact: Artifact, meta: Mapping[str, Any], put: Callable[[Any], Any]
+) -> tuple[Specializer | None, dict[str, np.ndarray] | None]:
+    """For an artifact with value inputs: what lowers a program for new values, and the values
+    its stored program was specialized to (None without one); (None, None) otherwise."""
+    from enginekit.backends.xla import program
+    from enginekit.config import BuildConfig
+
+    spec = meta.get("value_inputs")
+    if not spec:
+        return None, None
+    found = dict(spec["inputs"])
+    config = BuildConfig.from_json(artifact.manifest["config"])
+    all_specs = [TensorSpec.from_json(i) for i in artifact.manifest["inputs"]]
+    specs = [s for s in all_specs if s.name not in found]
+    dims = program.symbolic_dims(specs, config.profiles)
+    recipe = Recipe(
+        layout=meta["layout"],
+        precision=config.precision.value,
+        dims=dims,
+        bounds=program.symbol_bounds(specs, config.profiles, dims),
+        platform=meta.get("platform", "cpu"),
+    )
+    names = [s.name for s in all_specs if s.name in found]
+    specializer = Specializer(artifact.read(spec["model"]), names, recipe, put)
+    stored = spec["programs"]
+    return specializer, from_json(stored[0]["values"]) if stored else None
 
 
 def bind(proto: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> onnx.ModelProto:
@@ -235,10 +344,17 @@ class Recipe:
 
 
 class Specializer:
-    """Lowers and exports the model for one set of values; weights equal across
-    specializations are put on the device once and shared."""
+    """Lowers and exports the model for one set of values of the value inputs ``names``;
+    weights equal across specializations are put on the device once and shared."""
 
-    def __init__(self, model_bytes: bytes, recipe: Recipe, put: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        model_bytes: bytes,
+        names: Sequence[str],
+        recipe: Recipe,
+        put: Callable[[Any], Any],
+    ) -> None:
+        self.names = tuple(names)
         self._bytes = model_bytes
         self._proto: onnx.ModelProto | None = None
         self.recipe = recipe

@@ -179,3 +179,23 @@ def test_key_tells_dtypes_and_shapes_apart():
 def test_a_large_value_input_is_refused_with_its_size():
     with pytest.raises(BuildError, match=r"'shape' feeds by_input \(Reshape\).*up to 2048"):
         values.check_sizes({"shape": "by_input (Reshape) input 1"}, {"shape": 2048})
+
+
+def test_example_values_that_do_not_lower_leave_compiling_to_first_use(tmp_path, monkeypatch):
+    """Generated example values the model rejects: the build keeps no program, verification on
+    verify_data compiles the one it needs."""
+    path = tmp_path / "m.onnx"
+    ek.Model.save(ek.load_model(_reshape_model()), path)
+    monkeypatch.setattr(values, "example_values", lambda *a: {"shape": np.array([5, 5])})
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    data = {"x": x, "shape": np.array([4, 3], np.int64)}
+    out = tmp_path / "m.ekit"
+    ek.build(path, backend="xla", shapes={"x": (2, 6)}, simplify=False, verify_data=data,
+             output=out).close()  # fmt: skip
+    meta = open_artifact(out).manifest["backend"]["metadata"]
+    assert meta["value_inputs"]["programs"] == []
+    assert "model.stablehlo" not in open_artifact(out).manifest["payload"]
+    with ek.load(out) as engine:
+        assert engine.exported is None
+        got = engine.infer({"x": x, "shape": np.array([3, 4], np.int64)})["y"]
+        np.testing.assert_array_equal(got, x.reshape(3, 4))
