@@ -65,7 +65,7 @@ def find(proto: onnx.ModelProto) -> dict[str, str]:
     """
     initializers = {t.name for t in proto.graph.initializer}
     inputs = [i.name for i in proto.graph.input if i.name not in initializers]
-    values = {n: frozenset({n}) for n in inputs}
+    values = {n: frozenset() for n in initializers} | {n: frozenset({n}) for n in inputs}
     found: dict[str, str] = {}
     _walk(proto.graph, values, {}, found)
     return {n: found[n] for n in inputs if n in found}
@@ -89,7 +89,9 @@ def _walk(
                 for name in sorted(values.get(node.input[slot], empty)):
                     found.setdefault(name, f"{node_label(node, index)} input {slot}")
         for branch in subgraphs(node):  # If/Loop bodies read the outer scope
-            _walk(branch, dict(values), dict(shapes), found)
+            inner = dict(values)
+            inner.update((t.name, frozenset()) for t in branch.initializer)
+            _walk(branch, inner, dict(shapes), found)
         if node.op_type in ("Shape", "Size"):
             out_values = shapes.get(node.input[0], empty) if node.input else empty
             out_shape = empty
