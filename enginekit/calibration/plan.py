@@ -157,7 +157,7 @@ def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -
     options = dict(hook(config)) if hook is not None else {}
     entry = {**table.manifest_entry(), "qdq": {"style": "tensorrt", **options}}
     if q.target is not None:
-        return _search(model, config, table, held.held, q, q.target, options, entry)
+        return _search(model, config, backend, table, held.held, q, q.target, options, entry)
     with step("writing the Q/DQ model"):
         qdq = write_qdq(model, table, allow_table_mismatch=q.allow_table_mismatch, **options)
     return Quantized(load_model(qdq), table, held.held, entry)
@@ -166,6 +166,7 @@ def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -
 def _search(
     model: Model,
     config: BuildConfig,
+    backend: Any,
     table: CalibrationTable,
     held: list[dict[str, np.ndarray]],
     q: Quantization,
@@ -191,8 +192,13 @@ def _search(
     def write(t: CalibrationTable) -> Any:
         return write_qdq(model, t, allow_table_mismatch=q.allow_table_mismatch, **options)
 
+    # A backend whose int8 kernels round differently from ONNX Runtime's measures the plans
+    # itself: ``plan_runner(config) -> Runner`` (see enginekit.calibration.search).
+    hook = getattr(backend, "plan_runner", None)
+    runner = hook(config) if hook is not None else None
+    runs_on = f"{config.backend} CPU" if hook is not None else "ONNX Runtime CPU"
     with step(f"searching int8 plans for {target}"):
-        result = search(model.proto, table, rows, target, write, fallback)
+        result = search(model.proto, table, rows, target, write, fallback, runner, runs_on)
     entry = {**entry, "accuracy_search": result.manifest_entry(target)}
     if result.chosen.method != table.method:
         entry["method"] = result.chosen.method

@@ -177,8 +177,18 @@ def _session(proto: onnx.ModelProto, threads: int = 0) -> Any:
     return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
-def _run(session: Any, rows: Sequence[Feeds]) -> list[list[np.ndarray]]:
-    return [session.run(None, dict(feeds)) for feeds in rows]
+#: Runs a model: proto -> (feeds -> outputs in graph order).
+Runner = Callable[[onnx.ModelProto], Callable[[Feeds], Sequence[np.ndarray]]]
+
+
+def ort_runner(proto: onnx.ModelProto) -> Callable[[Feeds], Sequence[np.ndarray]]:
+    """The default :data:`Runner`: an ONNX Runtime CPU session."""
+    session = _session(proto)
+    return lambda feeds: session.run(None, dict(feeds))
+
+
+def _run(run: Callable[[Feeds], Sequence[np.ndarray]], rows: Sequence[Feeds]) -> list[Any]:
+    return [list(run(feeds)) for feeds in rows]
 
 
 def measure(
@@ -207,13 +217,13 @@ def measure(
     }
 
 
-def _seconds(session: Any, feeds: Feeds, runs: int = TIMING_RUNS) -> float:
+def _seconds(run: Callable[[Feeds], Any], feeds: Feeds, runs: int = TIMING_RUNS) -> float:
     """Median wall time of one run on ``feeds`` (after one warm-up run)."""
-    session.run(None, dict(feeds))
+    run(feeds)
     times = []
     for _ in range(runs):
         start = time.perf_counter()
-        session.run(None, dict(feeds))
+        run(feeds)
         times.append(time.perf_counter() - start)
     return float(np.median(times))
 
@@ -253,6 +263,7 @@ class SearchResult:
     fallback: str
     fallback_reason: str
     rows: int
+    runs_on: str = "ONNX Runtime CPU"
 
     def manifest_entry(self, target: AccuracyTarget) -> dict[str, Any]:
         """What the manifest records: the target, every plan tried, the layers kept in float
@@ -261,7 +272,7 @@ class SearchResult:
         error = dict(self.sensitivity)
         return {
             "target": target.to_json(),
-            "measured_on": f"ONNX Runtime CPU, {self.rows} held-out calibration rows",
+            "measured_on": f"{self.runs_on}, {self.rows} held-out rows",
             "chosen": self.chosen.to_json(self.float_seconds),
             "float_seconds": self.float_seconds,
             "fallback_precision": self.fallback,
@@ -287,6 +298,8 @@ def search(
     target: AccuracyTarget,
     write: Callable[[CalibrationTable], onnx.ModelProto],
     fallback: tuple[str, str] = ("float", "float32"),
+    runner: Runner | None = None,
+    runs_on: str = "ONNX Runtime CPU",
 ) -> SearchResult:
     """The fastest plan meeting ``target`` on ``rows`` (held-out batches), see module doc.
 
@@ -298,6 +311,8 @@ def search(
         write: table -> Q/DQ model (:func:`~enginekit.calibration.writers.write_qdq` with the
             backend's options).
         fallback: (precision, why) of the layers kept in float, for the report.
+        runner: what measures plans (default: ONNX Runtime CPU); a backend whose int8
+            kernels round differently (OpenVINO) passes its own; ``runs_on`` names it.
 
     Raises:
         CalibrationError: no held-out rows.
@@ -307,16 +322,17 @@ def search(
             "accuracy_target needs held-out data to measure plans on: pass calib_data= (every "
             "10th sample is held out) or verify_data=; a calibration table alone has no rows"
         )
-    reference_session = _session(source)
-    reference = _run(reference_session, rows)
+    runner = runner or ort_runner
+    # The reference is the float model on ONNX Runtime, as in every int8 verification.
+    reference = _run(ort_runner(source), rows)
     timing = rows[0]
-    float_seconds = _seconds(reference_session, timing)
+    float_seconds = _seconds(runner(source), timing)
     plans: list[Plan] = []
 
     def evaluate(method: str, proto: onnx.ModelProto, kept: Sequence[str]) -> Plan:
-        session = _session(proto)
-        metrics = measure(_run(session, rows), reference)
-        plan = Plan(method, tuple(kept), metrics, _seconds(session, timing), target.met(metrics))
+        run = runner(proto)
+        metrics = measure(_run(run, rows), reference)
+        plan = Plan(method, tuple(kept), metrics, _seconds(run, timing), target.met(metrics))
         plans.append(plan)
         log.info(
             "plan %s, %d layers in float: %s, %.2fx fp32",
@@ -334,7 +350,7 @@ def search(
     sensitivity: list[tuple[str, float]] = []
     chosen = best if best.met else None
     if chosen is None and layers:
-        sensitivity = _sensitivity(source, base, layers, rows)
+        sensitivity = _sensitivity(source, base, layers, rows, runner)
         chosen = _fallback_search(
             source, base, method, [n for n, _ in sensitivity], target, evaluate
         )
@@ -350,7 +366,7 @@ def search(
     model = bases[fastest.method] if not fastest.kept else keep_float(base, source, fastest.kept)
     return SearchResult(
         model, fastest, tuple(plans), tuple(sensitivity), float_seconds, *fallback,
-        sum(_rows(f) for f in rows),
+        sum(_rows(f) for f in rows), runs_on,
     )  # fmt: skip
 
 
@@ -376,6 +392,7 @@ def _sensitivity(
     base: onnx.ModelProto,
     layers: Sequence[str],
     rows: Sequence[Feeds],
+    runner: Runner,
 ) -> list[tuple[str, float]]:
     """Each layer's output NMSE when it alone is quantized, most sensitive first."""
     sample, count = [], 0
@@ -384,11 +401,11 @@ def _sensitivity(
             break
         sample.append(feeds)
         count += _rows(feeds)
-    reference = _run(_session(source), sample)
+    reference = _run(ort_runner(source), sample)
     out = []
     for name in layers:
         alone = keep_float(base, source, [n for n in layers if n != name])
-        out.append((name, measure(_run(_session(alone), sample), reference)["nmse"]))
+        out.append((name, measure(_run(runner(alone), sample), reference)["nmse"]))
     return sorted(out, key=lambda item: -item[1])
 
 

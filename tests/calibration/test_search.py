@@ -3,7 +3,6 @@ in float to meet the target, records why, and refuses bad targets with typed err
 
 from __future__ import annotations
 
-import calib_models
 import numpy as np
 import onnx
 import pytest
@@ -165,5 +164,15 @@ def test_cli_accuracy_target_flag_builds_and_prints_every_plan(data, tmp_path, c
     assert "every plan tried" in out and "kept in float" in out and "fc2" in out
 
 
-# Fixtures re-exported for the tiny-CNN check below (see calib_models).
-tiny_cnn_path = calib_models.tiny_cnn_path
+def test_openvino_measures_the_plans_with_its_own_int8_kernels(data):
+    from enginekit import backends
+
+    if not backends.availability("openvino").available:
+        pytest.skip("openvino is not installed here")
+    engine = _build(
+        outlier_mlp(), data, backend="openvino",
+        accuracy_target=AccuracyTarget(min_top1_agreement=0.9),
+    )  # fmt: skip
+    found = engine.manifest["calibration"]["accuracy_search"]
+    assert found["measured_on"].startswith("openvino CPU")
+    assert "fc2" in [k["layer"] for k in found["kept_in_float"]]

@@ -415,6 +415,30 @@ def qdq_options(config: BuildConfig) -> dict[str, Any]:
     return {"style": "onnxruntime-cpu", "per_channel": True, "reduce_range": False}
 
 
+def plan_runner(config: BuildConfig) -> Any:
+    """How accuracy-aware int8 measures a plan here: the Q/DQ model compiled by this CPU
+    plugin as an int8 build would be (OpenVINO's int8 kernels do not round like ONNX
+    Runtime's; on CPUs without VNNI ONNX Runtime's U8S8 saturates where OpenVINO does not)."""
+    opts = parse_options(config.options)
+
+    def runner(proto: Any) -> Any:
+        ov = _ov()
+        compiled = ov.Core().compile_model(
+            ov.Core().read_model(proto.SerializeToString()), "CPU",
+            _compile_config(opts, "int8"),
+        )  # fmt: skip
+        request = compiled.create_infer_request()
+        names = [o.get_any_name() for o in compiled.outputs]
+
+        def run(feeds: Mapping[str, Any]) -> list[Any]:
+            out = request.infer(dict(feeds))
+            return [out[compiled.output(n)].copy() for n in names]
+
+        return run
+
+    return runner
+
+
 # -- profile -----------------------------------------------------------------------------------
 
 
