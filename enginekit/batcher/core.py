@@ -37,6 +37,10 @@ from enginekit.errors import (
 
 log = logging.getLogger(__name__)
 
+# A collated batch: live requests, feeds (or the error collating them), rows, its arrays.
+Prepared = tuple[list[Request], "dict[str, np.ndarray] | BaseException", int, dict[Any, np.ndarray]]
+# What a worker runs next: taken requests or a prepared batch, and requests that expired.
+Taken = tuple["list[Request] | None", list[Request], "Prepared | None"]
 _DEFAULT_MAX_BATCH = 32  # for engines built without profiles (any batch size)
 
 
@@ -148,6 +152,10 @@ class Batcher:
         self._wake_at = math.inf  # when a waiting worker looks again by itself
         self._timer_at = math.inf  # when the helper looks for expired requests by itself
         self._closing = False
+        # A full batch the helper collated while every worker was in the engine.
+        self._prepared: Prepared | None = None
+        self._preparing = False
+        self._buffer_sets: list[dict[Any, np.ndarray]] = []  # collation arrays not in use
         if warmup:
             self._warmup()
         self._threads = [
@@ -303,42 +311,49 @@ class Batcher:
     # -- the engine threads ----------------------------------------------------------------------
 
     def _work(self) -> None:
-        """An engine thread: take the next ready batch (or wait for one), run it, hand the
-        outputs to the helper thread, which resolves the futures while this one runs the next
-        batch. Returns once closing and nothing is left to run."""
-        layout, engine, cv, done = self._layout, self.engine, self._cv, self._done
-        buffers: dict[Any, np.ndarray] = {}  # this worker's collation arrays
+        """An engine thread: take the next batch (one the helper prepared, or a ready one from
+        the queue, waiting as long as there is none), run it, hand the outputs to the helper,
+        which resolves the futures while this one runs the next batch. Returns once closing
+        and nothing is left to run."""
+        engine, cv, done = self.engine, self._cv, self._done
         ran: tuple[int, float, bool] | None = None
+        buffers: dict[Any, np.ndarray] = {}
         while True:
             with cv:
                 if ran is not None:
                     self._ran(*ran)
+                    self._buffer_sets.append(buffers)
                 taken = self._take()
+                if taken is not None and taken[0] is not None:
+                    buffers = self._buffer_sets.pop() if self._buffer_sets else {}
             if taken is None:
                 break
-            requests, expired = taken
+            requests, expired, prepared = taken
             if expired:
                 done.put(("expired", expired))
-            live = [r for r in requests if r.future.set_running_or_notify_cancel()]
-            if len(live) < len(requests):
-                done.put(("cancelled", len(requests) - len(live)))
+            if prepared is not None:
+                live, feeds, rows, buffers = prepared
+            else:
+                assert requests is not None  # either requests or a prepared batch
+                live, feeds, rows = self._admit(requests, buffers)
             if not live:
                 ran = None
                 continue
-            rows = sum([r.rows for r in live])
             start = time.perf_counter()
             try:
-                feeds = layout.stack(live, rows, buffers)
+                if isinstance(feeds, BaseException):
+                    raise feeds
                 outputs: Any = engine.infer(feeds)
                 if feeds is not live[0].feeds:
-                    outputs = layout.detach(outputs, buffers)
+                    outputs = self._layout.detach(outputs, buffers)
                 ok = True
             except BaseException as exc:  # handed to the batch's futures
                 outputs, ok = exc, False
                 log.warning("batcher %r: a batch of %d rows failed: %r", self.name, rows, exc)
             elapsed = time.perf_counter() - start
             ran = (rows, elapsed, ok)
-            if self._queue.count:  # a read without the lock: a hint is enough here
+            # Reads without the lock: a hint is enough here.
+            if self._queue.count or self._prepared is not None:
                 done.put((live, outputs, ok))  # the helper resolves; this runs the next batch
             else:
                 self._finish((live, outputs, ok))  # low load: no thread switch for the results
@@ -347,6 +362,45 @@ class Batcher:
             last = self._running == 0
         if last:
             done.put(None)  # the helper ends after what is queued before this
+
+    def _admit(
+        self, requests: list[Request], buffers: dict[Any, np.ndarray]
+    ) -> tuple[list[Request], dict[str, np.ndarray] | BaseException, int]:
+        """Mark the taken requests running (dropping cancelled ones) and collate them."""
+        live = [r for r in requests if r.future.set_running_or_notify_cancel()]
+        if len(live) < len(requests):
+            self._done.put(("cancelled", len(requests) - len(live)))
+        rows = sum([r.rows for r in live])
+        if not live:
+            return live, {}, 0
+        try:
+            return live, self._layout.stack(live, rows, buffers), rows
+        except BaseException as exc:  # fails this batch only
+            return live, exc, rows
+
+    def _prepare(self) -> None:
+        """While every worker is inside the engine, collate the next full batch, so that the
+        first worker out runs it without a gap (the helper thread calls this). Only full
+        batches: a batch that may still grow is left to gather rows until a worker is free."""
+        with self._cv:
+            q = self._queue
+            if self._prepared is not None or self._preparing or self._idle or not q.count:
+                return
+            if not any(g.rows >= self.max_batch_size for g in q.groups.values()):
+                return
+            taken, _, _ = self._ready(time.monotonic())
+            if not taken:
+                return
+            self._preparing = True
+            buffers = self._buffer_sets.pop() if self._buffer_sets else {}
+        live, feeds, rows = self._admit(taken, buffers)
+        with self._cv:
+            self._preparing = False
+            if live:
+                self._prepared = (live, feeds, rows, buffers)
+            else:
+                self._buffer_sets.append(buffers)
+            self._cv.notify_all()
 
     def _ran(self, rows: int, elapsed: float, ok: bool) -> None:
         """Account a finished batch (under the lock)."""
@@ -357,9 +411,10 @@ class Batcher:
         if ok:
             self._cost.observe(rows, elapsed)
 
-    def _take(self) -> tuple[list[Request], list[Request]] | None:
-        """The next batch to run and the requests that expired meanwhile, waiting as long as
-        none is ready (under the lock); None once closing with nothing left to run."""
+    def _take(self) -> Taken | None:
+        """What to run next — requests from the queue, or a batch the helper prepared — and the
+        requests that expired meanwhile, waiting as long as there is none (under the lock);
+        None once closing with nothing left to run."""
         cv, q = self._cv, self._queue
         plan: dict[Key, int]
         while True:
@@ -367,6 +422,15 @@ class Batcher:
             expired = q.expire(now) if q.has_deadlines else []
             if expired:
                 self._metrics.outcomes["expired"] += len(expired)
+            prepared = self._prepared
+            if prepared is not None:
+                self._prepared = None
+                return None, expired, prepared
+            if self._preparing:  # the helper collates the oldest rows: run them first
+                if expired:
+                    return [], expired, None
+                cv.wait()
+                continue
             if not q.count:
                 if self._closing:
                     return None
@@ -374,9 +438,9 @@ class Batcher:
             else:
                 taken, wake, plan = self._ready(now)
             if taken:
-                return taken, expired
+                return taken, expired, None
             if expired:
-                return [], expired
+                return [], expired, None
             # Nothing to send: wait, and tell submit() when waking this thread is worth it.
             self._idle += 1
             self._plan, self._wake_at = plan, wake
@@ -444,6 +508,7 @@ class Batcher:
             if item is None:
                 return
             self._finish(item)
+            self._prepare()
 
     def _finish(self, item: tuple[Any, ...]) -> None:
         if item[0] == "expired":

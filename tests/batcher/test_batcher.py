@@ -208,3 +208,58 @@ def test_preferred_size_is_formed_when_more_rows_wait(cnn):
         for f in [blocker, *futures]:
             f.result(timeout=10)
     assert [len(b) for b in held.batches][:2] == [1, 4]  # 6 waiting: a batch of 4 first
+
+
+def test_a_full_batch_goes_at_once_inside_a_long_window(cnn):
+    x = rows(4)
+    with ek.Batcher(cnn, max_batch_size=4, max_delay_ms=60_000, adaptive=False) as batcher:
+        futures = [batcher.submit(x[i]) for i in range(4)]
+        for f in futures:
+            f.result(timeout=20)  # not 60 s: the waiting worker is woken at the 4th row
+        assert batcher.stats()["dispatch_reasons"] == {"full": 1}
+
+
+class Echo(ek.Engine):
+    """Returns its input as its output (a view, as an identity model may): the batcher must not
+    hand out views of the buffer it collates the next batch into."""
+
+    def __init__(self, second_call: threading.Event | None = None) -> None:
+        spec = ek.TensorSpec("x", "float32", ("batch", 3))
+        profile = {"x": ek.ShapeProfile((1, 3), (4, 3), (8, 3))}
+        super().__init__([spec], [ek.TensorSpec("y", "float32", ("batch", 3))], [profile])
+        self.calls = 0
+        self.release = second_call
+        self.entered = threading.Event()
+
+    def _run(self, feeds: dict) -> dict:
+        self.calls += 1
+        if self.calls == 2 and self.release is not None:
+            self.entered.set()
+            assert self.release.wait(30)
+        return {"y": feeds["x"]}
+
+
+def test_outputs_that_alias_the_collated_input_are_not_overwritten():
+    x = np.arange(48, dtype=np.float32).reshape(16, 3)
+    with ek.Batcher(Echo(), max_batch_size=4, max_delay_ms=50.0, adaptive=False) as batcher:
+        futures = [batcher.submit(row) for row in x]  # four batches through the same buffer
+        got = np.stack([f.result(timeout=10)["y"] for f in futures])
+        assert batcher.stats()["batches"] == 4
+    np.testing.assert_array_equal(got, x)
+
+
+def test_results_of_a_batch_arrive_while_the_next_batch_runs():
+    release = threading.Event()
+    engine = Echo(second_call=release)
+    x = np.ones((8, 3), np.float32)
+    with ek.Batcher(engine, max_batch_size=4, max_delay_ms=50.0, adaptive=False) as batcher:
+        futures = [batcher.submit(row) for row in x]  # two full batches queued at once
+        assert engine.entered.wait(10)  # the second batch is inside the engine
+        try:
+            for f in futures[:4]:
+                assert f.result(timeout=10)["y"].shape == (3,)  # the first batch's results
+            assert not any(f.done() for f in futures[4:])
+        finally:
+            release.set()
+        for f in futures[4:]:
+            f.result(timeout=10)

@@ -39,6 +39,23 @@ def test_quick_run_reports_every_mode_at_every_rate(script, onnx_model):
         assert r["throughput"] > 0
         if "p99_ms" in r:
             assert 0 < r["p50_ms"] <= r["p99_ms"]
+            assert r["ceiling"] > 0 and r["of_ceiling"] == r["throughput"] / r["ceiling"]
+    assert rows[-1]["mode"] == "ceiling" and rows[-1]["generator_cpu_us"] > 0
+    goals = script.goals_for("cnn", rows)
+    assert [g[0].split(":")[1].split()[0] for g in goals] == ["highest", "lowest-rate"]
+
+
+def test_open_loop_submits_every_arrival_and_measures_from_the_schedule(script):
+    import concurrent.futures
+
+    def submit(_sample):
+        done = concurrent.futures.Future()
+        done.set_result(None)
+        return done
+
+    cell = script.open_loop(submit, [None] * 200, rate=20_000)
+    assert cell["rejected"] == 0 and cell["throughput"] > 0
+    assert cell["p50_ms"] >= 0 and cell["generator_cpu_us"] > 0
 
 
 def test_noop_overhead_is_measured(script):

@@ -103,3 +103,16 @@ def test_stats_and_prometheus_text(onnx_model):
     assert buckets == sorted(buckets) and buckets[-1] == stats["batches"]
     assert "# TYPE enginekit_batcher_latency_seconds summary" in text
     engine.close()
+
+
+def test_waiting_decision_says_at_how_many_rows_to_look_again():
+    model, rate = cost(2e-3, 1e-5), ArrivalRate()
+    for i in range(50):
+        rate.observe(i * 1e-4)  # 10k requests/s: a gap of 100 us
+    now = 49e-4
+    d = decide(1, 64, now, now, 0.01, rate, model)
+    # Waiting stops paying once rows * (gap + per_row) reaches the fixed cost: 2e-3 / 1.1e-4.
+    assert not d.send and d.need == math.ceil(2e-3 / (1e-4 + 1e-5))
+    assert decide(d.need, 64, now, now, 0.01, rate, model).send
+    assert decide(1, 8, now, now, 0.01, rate, model).need == 8  # capped at the batch size
+    assert decide(3, 64, now, now, 0.01, None, model).need == 64  # fixed window: a full batch
