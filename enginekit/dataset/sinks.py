@@ -51,6 +51,13 @@ def write_shard(
         table = pa.table(columns)
         with atomic_path(path, suffix=".parquet") as tmp:
             pq.write_table(table, tmp)
+            # On disk before the ledger names it: a committed shard survives a machine crash,
+            # not only a killed process (the writer thread waits here, not the engine).
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         return
     arrays = {f"id.{k}": _id_numpy(v) for k, v in ids.items()}
     arrays.update(outputs)

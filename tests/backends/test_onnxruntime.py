@@ -57,9 +57,21 @@ def test_session_options_are_applied_on_load(mlp_path, tmp_path):
     assert engine.session.get_session_options().intra_op_num_threads == 1
 
 
+def test_allow_spinning_false_reaches_the_session(mlp_path, tmp_path):
+    key = "session.intra_op.allow_spinning"
+    ek.build(mlp_path, output=tmp_path / "m.ekit", allow_spinning=False).close()
+    with ek.load(tmp_path / "m.ekit") as engine:
+        assert engine.session.get_session_options().get_session_config_entry(key) == "0"
+    ek.build(mlp_path, output=tmp_path / "d.ekit").close()
+    with ek.load(tmp_path / "d.ekit") as engine:  # ORT's default (spinning) left alone
+        with pytest.raises(RuntimeError, match="does not have configuration"):
+            engine.session.get_session_options().get_session_config_entry(key)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
+        ({"allow_spinning": "no"}, "allow_spinning 'no'"),
         ({"optimization_level": "max"}, "optimization_level 'max'"),
         ({"execution_mode": "async"}, "execution_mode 'async'"),
         ({"providers": ["gpu"]}, "provider 'gpu' is not one of"),

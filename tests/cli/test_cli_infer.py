@@ -39,13 +39,16 @@ def test_infer_images_with_preprocessing_then_resume_prints_json(artifact, tmp_p
         "--batch-size", "2", "--shard-rows", "2", "--no-progress",
     ]  # fmt: skip
     assert main(args) == 0
-    assert "5 rows in 3 shard(s)" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "5 rows in 3 shard(s)" in text
+    assert "stages: read" in text and "bottleneck: " in text
     assert pq.read_table(tmp_path / "out").column("path").to_pylist() == [
         f"{i}.png" for i in range(5)
     ]
     assert main([*args, "--resume", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert (summary["rows_skipped"], summary["shards_written"], summary["resumed"]) == (5, 0, True)
+    assert summary["stages"]["batches"] == 0 and summary["bottleneck"] in ("read", "infer", "write")
 
 
 def test_infer_refuses_existing_output_and_bad_columns_with_exit_codes(artifact, tmp_path, capsys):

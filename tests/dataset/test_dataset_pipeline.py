@@ -11,6 +11,9 @@ import enginekit as ek
 
 pytest.importorskip("pyarrow", reason="the dataset jobs read and write Arrow/Parquet")
 from enginekit.dataset.autobatch import choose_batch_size, parse_memory, row_bytes
+from enginekit.dataset.pipeline import StageTimes
+from enginekit.dataset.sources import READ_BYTES, read_rows
+from enginekit.engine import TensorSpec
 from enginekit.errors import UsageError
 
 
@@ -93,3 +96,46 @@ def test_import_enginekit_loads_neither_ray_nor_pyarrow_and_ek_ray_is_lazy():
     subprocess.run([sys.executable, "-c", code], check=True)
     ray = pytest.importorskip("ray")
     assert ek.ray.map_engine.__module__ == "enginekit.dataset.ray" and ray.__name__ == "ray"
+
+
+@pytest.mark.parametrize(
+    ("times", "bottleneck"),
+    [
+        (StageTimes(infer=1.0, wait_input=0.5, wait_output=0.1), "read"),
+        (StageTimes(infer=1.0, wait_input=0.05, wait_output=0.3), "write"),
+        (StageTimes(infer=1.0, wait_input=0.05, wait_output=0.05), "infer"),
+        (StageTimes(), "infer"),
+        (StageTimes(infer=1.0, wait_output=0.5, remote=True), "write"),
+        (StageTimes(infer=1.0, remote=True), "ray"),
+    ],
+)
+def test_bottleneck_is_the_stage_the_engine_waited_on(times, bottleneck):
+    assert times.bottleneck == bottleneck
+    assert times.to_json()["bottleneck"] == bottleneck
+    assert f"bottleneck: {bottleneck}" in times.describe()
+
+
+def test_a_slow_source_is_named_the_bottleneck_and_every_batch_is_timed(ekit, tmp_path):
+    import time
+
+    x = cnn_rows(20)
+
+    def slow():
+        for i in range(0, 20, 4):
+            time.sleep(0.03)  # reading slower than the engine
+            yield x[i : i + 4]
+
+    with ek.load(ekit("cnn")) as engine:
+        s = ek.infer_dataset(engine, slow(), tmp_path / "out", batch_size=4)
+    st = s.stages
+    assert st.batches == 5 and st.infer > 0 and st.read >= st.wait_input > 0
+    assert s.bottleneck == "read" == s.to_json()["bottleneck"]
+    assert s.to_json()["stages"]["batches"] == 5
+
+
+def test_parquet_reads_are_whole_batches_of_about_the_read_budget():
+    spec = [TensorSpec("x", "float32", ("batch", 3, 32, 32))]  # 12 KiB a row
+    rows = read_rows(128, spec)
+    assert rows % 128 == 0 and rows * 12288 <= READ_BYTES < (rows + 128) * 12288
+    assert read_rows(4096, spec) == 4096  # at least one batch
+    assert read_rows(3, [TensorSpec("t", "int64", ("batch", "seq"))]) % 3 == 0
