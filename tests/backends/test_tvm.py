@@ -159,16 +159,17 @@ def test_unsupported_op_names_the_op_and_the_node(tmp_path):
     graph = helper.make_graph(
         [
             helper.make_node("Relu", ["x"], ["r"], name="first"),
-            helper.make_node("Celu", ["r"], ["y"], name="smooth_celu", alpha=1.0),
+            helper.make_node("Det", ["r"], ["y"], name="determinant"),
         ],
         "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])],
     )
-    path = tmp_path / "celu.onnx"
+    path = tmp_path / "det.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    with pytest.raises(ek.BuildError, match=r"'Celu'.*'smooth_celu'"):
-        ek.build(path, backend="tvm", shapes={"x": [(1, 4), (2, 4), (4, 4)]})
+    # Det has neither a TVM converter nor an ONNX function body to expand.
+    with pytest.raises(ek.BuildError, match=r"'Det'.*'determinant'"):
+        ek.build(path, backend="tvm", shapes={"x": [(1, 3, 3), (2, 3, 3), (4, 3, 3)]})
 
 
 @pytest.mark.parametrize(

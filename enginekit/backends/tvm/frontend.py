@@ -4,6 +4,7 @@ unsupported op is reported by name and node instead of deep inside the importer.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
@@ -15,6 +16,8 @@ from enginekit.quiet import held_output
 
 if TYPE_CHECKING:
     from enginekit.model import Model
+
+log = logging.getLogger(__name__)
 
 #: Ops the Relax ONNX importer handles outside its converter table.
 _DIRECT = frozenset({"If", "Constant"})
@@ -28,14 +31,23 @@ def supported_ops() -> list[str]:
 
 
 def check_ops(model: Model) -> None:
-    """Raise BuildError naming the first node whose op the frontend cannot convert.
+    """Raise BuildError naming the first node whose op the frontend cannot convert (ops with
+    an ONNX function body count as converted: :func:`import_onnx` expands them first).
 
     Raises:
         BuildError: op type, domain, node name and index, and what to do.
     """
+    from enginekit.backends.tvm.expand import expand_functions
+
+    proto, _ = expand_functions(model.proto, set(supported_ops()))
+    check_nodes(proto)
+
+
+def check_nodes(proto: Any) -> None:
+    """:func:`check_ops` on a ModelProto as it is (no expansion)."""
     known = set(supported_ops())
     missing = []
-    for index, node in enumerate(model.proto.graph.node):
+    for index, node in enumerate(proto.graph.node):
         domain = node.domain or "ai.onnx"
         if domain not in ("ai.onnx", "") or node.op_type not in known:
             missing.append((index, node, domain))
@@ -236,7 +248,39 @@ def _converters() -> dict[str, Any]:
                     return relax.ShapeExpr([dims[int(i)] for i in picked])
             return super()._impl_v13(bb, inputs, attr, params)
 
-    return {"Range": Range, "Clip": Clip, "Resize": Resize, "Gather": Gather}
+    class Cosh(onnx_frontend.OnnxOpConverter):
+        """cosh(x) = (e^x + e^-x) / 2: TVM 0.27 imports Cosh as ``tirx.cosh``, which its LLVM
+        codegen does not know ("unknown intrinsic"), so the build failed at compile time."""
+
+        @classmethod
+        def _impl_v9(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            return _exp_pair(bb, inputs[0], relax.op.add)
+
+    class Sinh(onnx_frontend.OnnxOpConverter):
+        """sinh(x) = (e^x - e^-x) / 2, for the same reason as :class:`Cosh`."""
+
+        @classmethod
+        def _impl_v9(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            return _exp_pair(bb, inputs[0], relax.op.subtract)
+
+    return {
+        "Range": Range,
+        "Clip": Clip,
+        "Resize": Resize,
+        "Gather": Gather,
+        "Cosh": Cosh,
+        "Sinh": Sinh,
+    }
+
+
+def _exp_pair(bb: Any, x: Any, combine: Any) -> Any:
+    """``combine(e^x, e^-x) / 2`` in ``x``'s dtype."""
+    from tvm import relax
+
+    dtype = x.ty.dtype
+    pos = bb.emit(relax.op.exp(x))
+    neg = bb.emit(relax.op.exp(relax.op.negative(x)))
+    return bb.emit(relax.op.multiply(combine(pos, neg), relax.const(0.5, dtype)))
 
 
 def _int_scalar(value: Any) -> int | None:
@@ -275,6 +319,20 @@ def _registered() -> Iterator[None]:
             onnx_frontend._get_convert_map = stock
 
 
+def _folded(proto: Any) -> Any:
+    """``proto`` simplified again after expansion (function bodies compute sizes from
+    ``Shape``, which TVM's importer cannot divide; with static dims they fold to constants),
+    or as it is where simplification fails."""
+    from enginekit.errors import EnginekitError
+    from enginekit.passes.graph import simplify
+
+    try:
+        return simplify(proto)
+    except EnginekitError as exc:
+        log.info("tvm: the expanded model is imported unsimplified: %s", exc)
+        return proto
+
+
 def _version() -> str:
     import tvm
 
@@ -294,7 +352,14 @@ def import_onnx(model: Model, shapes: Mapping[str, tuple[int, ...]] | None = Non
     """
     from tvm.relax.frontend.onnx import from_onnx
 
-    check_ops(model)
+    from enginekit.backends.tvm.expand import constant_values, expand_functions
+
+    proto, expanded = expand_functions(model.proto, set(supported_ops()))
+    proto = constant_values(proto)
+    if expanded:
+        log.info("tvm: expanded to their ONNX function bodies: %s", ", ".join(expanded))
+        proto = _folded(proto)
+    check_nodes(proto)
     dtypes = {s.name: s.dtype for s in model.inputs}
     try:
         # The frontend re-runs onnx.checker and turns its complaints into warnings, and prints
@@ -306,7 +371,7 @@ def import_onnx(model: Model, shapes: Mapping[str, tuple[int, ...]] | None = Non
         ):
             warnings.simplefilter("ignore")
             mod = from_onnx(
-                scalar_reshapes_to_unsqueeze(model.proto),
+                scalar_reshapes_to_unsqueeze(proto),
                 shape_dict={k: list(v) for k, v in shapes.items()} if shapes else None,
                 dtype_dict=dtypes,
                 keep_params_in_input=False,
