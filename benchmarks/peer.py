@@ -9,15 +9,20 @@ all alike:
 - OpenVINO's default (``ov.Core().compile_model(model, "CPU")``: bf16 on CPUs that have it) and
   OpenVINO at f32 (``INFERENCE_PRECISION_HINT=f32``);
 - every enginekit backend x precision this host can build (``--backends``): fp32, int8
-  (calibrated on random inputs of the model's kind), bf16/fp16 where offered and the ISA has it.
+  (calibrated on random inputs of the model's kind), bf16/fp16 where offered and the ISA has it;
+  at batch 1 also enginekit's OpenVINO fp32 built for a fixed batch-1 profile;
+- the engine ``--backend auto`` picks (``--auto-backends``; with the calibration data, so int8
+  candidates too), gated on top-1 agreement >= 0.99 with fp32 on held-out verification rows.
 
 Prints, per model and batch: median latency, speed relative to the plain ORT session and to
 OpenVINO's default, and each engine's accuracy against the float32 model (cosine similarity of
 the outputs, top-1 agreement of the last axis: classes for ResNet, the hidden unit per token for
-the encoder). Also the host's CPU and ISA flags: ratios differ a lot between CPUs.
+the encoder). Also the host's CPU and ISA flags: ratios differ a lot between CPUs. Ends with
+the goals of issue 16, each met or not met.
 
     python benchmarks/peer.py [--rounds 5] [--size 224] [--backends onnxruntime,openvino,xla]
-                              [--models resnet50,bert] [--cache DIR] [--json out.json]
+                              [--auto-backends onnxruntime,openvino] [--models resnet50,bert]
+                              [--cache DIR] [--json out.json]
     python benchmarks/peer.py --quick      # a smoke test that the suite runs: tiny shapes
 
 TVM is opt-in (``--backends ...,tvm``): untuned it is 50-150x slower than ONNX Runtime and
@@ -55,6 +60,7 @@ class Workload:
     batches: tuple[Feeds, ...]
     shapes: dict[str, Any]
     calib: Feeds
+    verify: Feeds | None = None  # rows auto's accuracy gate runs on (never calibrated on)
 
 
 # -- models --------------------------------------------------------------------------------------
@@ -90,8 +96,10 @@ def resnet50(cache: Path, size: int, batches: tuple[int, ...], quick: bool) -> W
         f"{'resnet18' if quick else 'resnet50'} {size}x{size}",
         path,
         tuple({"x": rng.standard_normal((b, 3, size, size)).astype(np.float32)} for b in batches),
-        {"x": [(1, 3, size, size), (top, 3, size, size), (top, 3, size, size)]},
+        # opt at batch 1: auto ranks its candidates at the opt shape, and batch 1 is the goal
+        {"x": [(1, 3, size, size), (1, 3, size, size), (top, 3, size, size)]},
         {"x": rng.standard_normal((20, 3, size, size)).astype(np.float32)},
+        {"x": rng.standard_normal((32, 3, size, size)).astype(np.float32)},
     )
 
 
@@ -135,6 +143,7 @@ def bert(cache: Path, batch: int, seq: int, quick: bool) -> Workload:
         (feeds(batch),),
         {"input_ids": shape, "attention_mask": shape},
         feeds(20),
+        feeds(8),
     )
 
 
@@ -185,7 +194,11 @@ def enginekit_engines(w: Workload, backends: list[str]) -> dict[str, Any]:
             label = f"enginekit {name} {precision}"
             args: dict[str, Any] = {}
             if precision == "int8":
-                args = {"calib_data": w.calib, "calib_method": "percentile"}
+                args = {
+                    "calib_data": w.calib,
+                    "calib_method": "percentile",
+                    "verify_data": w.verify,
+                }
             start = time.perf_counter()
             try:
                 engine = ek.build(w.path, backend=name, shapes=w.shapes, precision=precision,
@@ -196,6 +209,36 @@ def enginekit_engines(w: Workload, backends: list[str]) -> dict[str, Any]:
             print(f"  built {label} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
             out[label] = engine
     return out
+
+
+def fixed_batch_openvino(w: Workload) -> Any:
+    """enginekit's OpenVINO fp32 built for a fixed batch-1 profile (static shapes), or why not."""
+    spec = {name: dims[0] for name, dims in w.shapes.items()}  # the min shape: batch 1
+    try:
+        return ek.build(w.path, backend="openvino", shapes=spec)
+    except ek.EnginekitError as exc:
+        return f"does not build: {type(exc).__name__}: {str(exc)[:160]}"
+
+
+def auto_engine(w: Workload, backends: list[str], duration: float) -> Any:
+    """The engine ``--backend auto`` picks among ``backends`` x host precisions (int8 with the
+    calibration data), gated on ``w.verify``; or why none."""
+    start = time.perf_counter()
+    try:
+        engine = ek.build(
+            w.path, backend="auto", shapes=w.shapes, backends=backends, calib_data=w.calib,
+            calib_method="percentile", verify_data=w.verify, bench_duration=duration,
+        )  # fmt: skip
+    except ek.EnginekitError as exc:
+        return f"auto failed: {type(exc).__name__}: {str(exc)[:300]}"
+    auto = engine.manifest["auto"]
+    print(f"  auto built {len(auto['candidates'])} candidates in "
+          f"{time.perf_counter() - start:.0f} s:", file=sys.stderr)  # fmt: skip
+    for c in auto["candidates"]:
+        top1 = (c.get("agreement") or {}).get("top1")
+        print(f"    {c['label']:<24} top-1 {'-' if top1 is None else f'{top1:.1%}'}  "
+              f"{c.get('verdict', c['status'])[:150]}", file=sys.stderr)  # fmt: skip
+    return engine
 
 
 def _first_output(engine: Any) -> Callable[[Feeds], np.ndarray]:
@@ -221,8 +264,19 @@ def accuracy(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     return float(cos.mean()), float(top1)
 
 
-def measure(w: Workload, backends: list[str], rounds: int) -> list[dict[str, Any]]:
-    runners: dict[str, Any] = {"onnxruntime session (plain)": plain_ort(w.path)}
+PLAIN = "onnxruntime session (plain)"
+FIXED = "enginekit openvino fp32 [b1 profile]"
+
+
+def measure(
+    w: Workload,
+    backends: list[str],
+    rounds: int,
+    auto_backends: list[str] | None = None,
+    auto_duration: float = 0.5,
+) -> list[dict[str, Any]]:
+    """Every engine on every batch of ``w``, timed interleaved; one row per engine and batch."""
+    runners: dict[str, Any] = {PLAIN: plain_ort(w.path)}
     for label, f32 in (("openvino default", False), ("openvino f32", True)):
         try:
             runners[label] = openvino(w.path, f32)
@@ -230,11 +284,26 @@ def measure(w: Workload, backends: list[str], rounds: int) -> list[dict[str, Any
             runners[label] = f"unavailable: {exc}"[:200]
     for label, engine in enginekit_engines(w, backends).items():
         runners[label] = engine if isinstance(engine, str) else _first_output(engine)
-    live = {k: v for k, v in runners.items() if callable(v)}
+    only_b1: set[str] = set()
+    if "openvino" in backends and any(b[next(iter(b))].shape[0] == 1 for b in w.batches):
+        fixed = fixed_batch_openvino(w)
+        runners[FIXED] = fixed if isinstance(fixed, str) else _first_output(fixed)
+        only_b1.add(FIXED)
+    auto: dict[str, Any] = {}
+    if auto_backends:
+        engine = auto_engine(w, auto_backends, auto_duration)
+        if isinstance(engine, str):
+            runners["enginekit auto"] = engine
+        else:
+            auto = engine.manifest["auto"]
+            runners[f"enginekit auto -> {auto['winner']}"] = _first_output(engine)
     rows = []
     for feeds in w.batches:
         batch = next(iter(feeds.values())).shape[0]
-        ref = live["onnxruntime session (plain)"](feeds)
+        live = {
+            k: v for k, v in runners.items() if callable(v) and (batch == 1 or k not in only_b1)
+        }
+        ref = live[PLAIN](feeds)
         outputs = {k: run(feeds) for k, run in live.items()}  # also the warm-up
         times: dict[str, list[float]] = {k: [] for k in live}
         for _ in range(rounds):
@@ -242,51 +311,130 @@ def measure(w: Workload, backends: list[str], rounds: int) -> list[dict[str, Any
                 start = time.perf_counter()
                 run(feeds)
                 times[k].append(time.perf_counter() - start)
-        base = statistics.median(times["onnxruntime session (plain)"])
+        base = statistics.median(times[PLAIN])
         ov_default = statistics.median(times.get("openvino default", [float("nan")]))
         for k, v in runners.items():
+            if k in only_b1 and batch != 1:
+                continue
             if not callable(v):
                 rows.append({"model": w.name, "batch": batch, "engine": k, "note": v})
                 continue
             ms = statistics.median(times[k])
             cos, top1 = accuracy(outputs[k], ref)
-            rows.append({
+            row = {
                 "model": w.name, "batch": batch, "engine": k, "ms": ms * 1e3,
                 "vs_ort": base / ms, "vs_ov_default": ov_default / ms, "cosine": cos,
                 "top1": top1,
-            })  # fmt: skip
+            }  # fmt: skip
+            if k.startswith("enginekit auto"):
+                winner = next(c for c in auto["candidates"] if c["label"] == auto["winner"])
+                row.update(auto_winner=auto["winner"], auto_precision=winner["precision"],
+                           gate_top1=(winner.get("agreement") or {}).get("top1"),
+                           gate_data=auto.get("agreement_data"))  # fmt: skip
+            rows.append(row)
     return rows
 
 
+# -- goals ---------------------------------------------------------------------------------------
+
+
+def _best(rows: list[dict[str, Any]], model: str, batch: int, kind: str) -> dict[str, Any] | None:
+    """The fastest enginekit row of ``kind`` (``fp32``, ``int8``) for a model and batch."""
+    found = [r for r in rows if r["model"].startswith(model) and r["batch"] == batch and "ms" in r
+             and r["engine"].startswith("enginekit ") and not r["engine"].startswith("enginekit auto")
+             and f" {kind}" in r["engine"]]  # fmt: skip
+    return min(found, key=lambda r: r["ms"]) if found else None
+
+
+def _ms(rows: list[dict[str, Any]], model: str, batch: int, engine: str) -> float | None:
+    for r in rows:
+        if r["model"].startswith(model) and r["batch"] == batch and r["engine"] == engine:
+            return r.get("ms")
+    return None
+
+
+def goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[str, Any]]:
+    """Issue 16's goals from the rows: each with the measured value and met / not met (None:
+    not measured in this run)."""
+    r50, enc = ("resnet18" if quick else "resnet50"), "bert"
+    out = []
+
+    def add(goal: str, value: float | None, target: float, note: str = "") -> None:
+        met = None if value is None else value >= target
+        out.append({"goal": goal, "value": value, "target": target, "met": met, "note": note})
+
+    # the encoder at the batch it ran at (8, or 2 with --quick)
+    enc_batch = next((r["batch"] for r in rows if r["model"].startswith(enc)), 8)
+    for model, batch, label in ((r50, 1, "ResNet-50 b1"), (enc, enc_batch, "encoder")):
+        best = _best(rows, model, batch, "fp32")
+        ov = _ms(rows, model, batch, "openvino f32")
+        plain = _ms(rows, model, batch, PLAIN)
+        name = best["engine"] if best else "none"
+        add(f"{label}: best enginekit fp32 vs OpenVINO f32 >= 1.0x",
+            ov / best["ms"] if best and ov else None, 1.0, name)  # fmt: skip
+        add(f"{label}: best enginekit fp32 vs plain ORT >= 1.2x",
+            plain / best["ms"] if best and plain else None, 1.2, name)  # fmt: skip
+    auto = next((r for r in rows if r["model"].startswith(r50) and r["batch"] == 1
+                 and r["engine"].startswith("enginekit auto") and "ms" in r), None)  # fmt: skip
+    add("ResNet-50 b1: auto (with calibration data) vs OpenVINO default >= 1.3x",
+        auto["vs_ov_default"] if auto else None, 1.3,
+        f"{auto['auto_winner']}" if auto else "")  # fmt: skip
+    add("ResNet-50 b1: auto's top-1 agreement with fp32 >= 99% (verification rows)",
+        auto.get("gate_top1") if auto else None, 0.99,
+        f"on {auto.get('gate_data')}" if auto else "")  # fmt: skip
+    int8 = _best(rows, r50, 16, "int8")
+    vnni = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & target.cpu_flags())
+    add("ResNet-50 b16: best int8 vs fp32 plain ORT >= 3x" + ("" if vnni else " (VNNI host)"),
+        int8["vs_ort"] if int8 else None, 3.0,
+        (int8["engine"] if int8 else "none") + ("" if vnni else "; this host has no VNNI: "
+                                                "the goal is for VNNI hosts"))  # fmt: skip
+    return out
+
+
+def print_goals(found: list[dict[str, Any]]) -> None:
+    print("goals (issue 16)")
+    for g in found:
+        state = {True: "met", False: "NOT MET", None: "not measured"}[g["met"]]
+        value = "-" if g["value"] is None else f"{g['value']:.2f}"
+        print(f"  {state:<12} {value:>6} (target {g['target']:g})  {g['goal']}"
+              + (f"  [{g['note']}]" if g["note"] else ""))  # fmt: skip
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    header = f"{'model':<22} {'batch':>5} {'engine':<32} {'ms':>9} {'vs ORT':>7} {'vs OV def':>9} {'cosine':>8} {'top-1':>6}"
+    header = f"{'model':<22} {'batch':>5} {'engine':<44} {'ms':>9} {'vs ORT':>7} {'vs OV def':>9} {'cosine':>8} {'top-1':>6}"
     print(header)
     print("-" * len(header))
     for r in rows:
         if "note" in r:
-            print(f"{r['model']:<22} {r['batch']:>5} {r['engine']:<32} {r['note']}")
+            print(f"{r['model']:<22} {r['batch']:>5} {r['engine']:<44} {r['note']}")
             continue
         print(
-            f"{r['model']:<22} {r['batch']:>5} {r['engine']:<32} {r['ms']:9.2f} "
+            f"{r['model']:<22} {r['batch']:>5} {r['engine']:<44} {r['ms']:9.2f} "
             f"{r['vs_ort']:6.2f}x {r['vs_ov_default']:8.2f}x {r['cosine']:8.5f} {r['top1']:6.1%}"
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke test: ResNet-18 at 32x32 batch 1, "
-                   "a 2-layer tiny BERT at batch 2 x 16, one round, onnxruntime + openvino")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="smoke test: ResNet-18 at 32x32 batch 1 "
+                   "and 16, a 2-layer tiny BERT at batch 2 x 16, two rounds, onnxruntime + "
+                   "openvino (minutes)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=5, help="timed calls per engine (interleaved)")
     p.add_argument("--size", type=int, default=224, help="ResNet input size (default 224)")
     p.add_argument("--models", default="resnet50,bert")
     p.add_argument("--backends", default="onnxruntime,openvino,xla")
+    p.add_argument("--auto-backends", default="onnxruntime,openvino",
+                   help="backends --backend auto chooses among ('' for no auto row)")  # fmt: skip
+    p.add_argument("--auto-duration", type=float, default=0.5,
+                   help="auto's bench seconds per candidate (default 0.5)")  # fmt: skip
     p.add_argument("--cache", help="keep exported models here (reused by the next run)")
-    p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--json", metavar="PATH", help="also write rows, goals and host to this file")
     args = p.parse_args(argv)
     quick = args.quick
-    rounds = 1 if quick else args.rounds
+    rounds = 2 if quick else args.rounds
     size = 32 if quick else args.size
     backends = ["onnxruntime", "openvino"] if quick else args.backends.split(",")
+    auto_backends = [b for b in args.auto_backends.split(",") if b]
     cache = Path(args.cache or tempfile.mkdtemp(prefix="enginekit-peer-"))
     cache.mkdir(parents=True, exist_ok=True)
     print(
@@ -297,18 +445,22 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for model in args.models.split(","):
         if model == "resnet50":
-            w = resnet50(cache, size, (1,) if quick else (1, 16), quick)
+            w = resnet50(cache, size, (1, 16), quick)
         elif model == "bert":
             w = bert(cache, 2 if quick else 8, 16 if quick else 128, quick)
         else:
             p.error(f"unknown model {model!r}: resnet50 or bert")
         print(f"{w.name}: building and timing", file=sys.stderr)
-        done = measure(w, backends, rounds)
+        done = measure(w, backends, rounds, auto_backends, args.auto_duration)
         print_table(done)  # each model as it finishes: a long run shows results early
         print(flush=True)
         rows += done
+    found = goals(rows, quick)
+    print_goals(found)
     if args.json:
-        Path(args.json).write_text(json.dumps({"host": target.host(), "rows": rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"host": target.host(), "rows": rows, "goals": found}, indent=2)
+        )
     return 0
 
 

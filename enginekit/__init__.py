@@ -24,6 +24,7 @@ from enginekit.backends import Availability, load
 from enginekit.batcher import Batcher
 from enginekit.build import STRATEGIES, build
 from enginekit.calibration import CalibrationTable, calibrate
+from enginekit.calibration.search import AccuracyTarget
 from enginekit.config import BuildConfig, Precision, ShapeProfile, parse_shapes
 from enginekit.dataset import ImagePreprocess, InferSummary, infer_dataset
 from enginekit.engine import Engine, TensorSpec
@@ -79,6 +80,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AccuracyTarget",
     "ArtifactError",
     "Availability",
     "BackendUnavailable",

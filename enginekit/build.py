@@ -38,6 +38,7 @@ from enginekit.artifact import (
 from enginekit.backends import Backend, BuildResult
 from enginekit.calibration import plan
 from enginekit.calibration.accuracy import Gates
+from enginekit.calibration.search import AccuracyTarget
 from enginekit.config import BuildConfig, Precision, ShapesArg, normalize_shapes
 from enginekit.engine import Engine, TensorSpec
 from enginekit.errors import BuildError, EnginekitError, VerificationError
@@ -139,6 +140,7 @@ def build(
     min_top1_agreement: float | None = None,
     max_abs_error: float | None = None,
     allow_table_mismatch: bool = False,
+    accuracy_target: AccuracyTarget | None = None,
     **options: Any,
 ) -> Engine:
     """Build an engine from an ONNX model, verify it, optionally write the artifact, return it.
@@ -173,6 +175,10 @@ def build(
         min_top1_agreement, max_abs_error: accuracy gates on the verification data (int8); a
             miss raises VerificationError.
         allow_table_mismatch: accept a calibration table made for another model hash.
+        accuracy_target: int8: an :class:`~enginekit.AccuracyTarget` (e.g.
+            ``AccuracyTarget(min_top1_agreement=0.97)``): the fastest plan meeting it, keeping
+            the most sensitive layers in float (docs/calibration.md); its limits are also the
+            verification gates. Needs calib_data (held-out rows) or verify_data.
         **options: backend options (``enginekit backends --json`` lists each backend's).
             With ``backend="auto"`` also ``candidates``, ``precisions``, ``objective``,
             ``bench_duration``: see :func:`enginekit.evaluate.choose.build_auto`.
@@ -199,7 +205,7 @@ def build(
         config = dataclasses.replace(config, options={**config.options, **options})
     quant = plan.Quantization(
         calibration, calib_data, calib_method, verify_data,
-        Gates(min_top1_agreement, max_abs_error), allow_table_mismatch,
+        Gates(min_top1_agreement, max_abs_error), allow_table_mismatch, accuracy_target,
     )  # fmt: skip
     request = Request(config, quant, output)
     if config.backend in STRATEGIES:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from enginekit.config import BuildConfig, ShapeProfile, check_rule
+from enginekit.config import BuildConfig, Precision, ShapeProfile, check_rule, default_tolerance
 from enginekit.engine import Engine
 from enginekit.errors import BuildError
 from enginekit.feeds import make_feeds, model_name
@@ -281,8 +281,40 @@ def check_outputs(
     rtol: float,
     **gates: Any,
 ) -> tuple[OutputCheck, ...]:
-    """:func:`check_output` for every reference output, in the reference's order."""
-    return tuple(check_output(n, got.get(n), r, atol, rtol, **gates) for n, r in ref.items())
+    """:func:`check_output` for every reference output, in the reference's order, each at
+    :func:`dtype_tolerance` for its reference's type."""
+    out = []
+    for name, r in ref.items():
+        rule = gates.get("rule", "scaled")
+        a, t, cos = dtype_tolerance(np.asarray(r).dtype, atol, rtol, rule, gates.get("min_cosine"))
+        own = {**gates, "min_cosine": cos} if "min_cosine" in gates else gates
+        out.append(check_output(name, got.get(name), r, a, t, **own))
+    return tuple(out)
+
+
+#: Output types narrower than float32, and the precision whose tolerance they are judged at.
+_NARROW = {"float16": Precision.FP16, "bfloat16": Precision.BF16}
+
+
+def dtype_tolerance(
+    dtype: Any, atol: float, rtol: float, rule: str = "scaled", min_cosine: float | None = None
+) -> tuple[float, float, float | None]:
+    """(atol, rtol, min_cosine) for an output of ``dtype``.
+
+    A float16 (bfloat16) output holds 11 (8) bits of mantissa: two correct engines that round
+    one intermediate step differently already differ by one unit in the last place, ~5e-4
+    (4e-3) of the output's scale, past float32's tolerance. Such outputs are judged at least
+    as loosely as that type's precision (:func:`~enginekit.config.default_tolerance`);
+    every other output, float32 included, keeps the tolerance given.
+    """
+    precision = _NARROW.get(np.dtype(dtype).name)
+    if precision is None:
+        return atol, rtol, min_cosine
+    floor = default_tolerance(precision, rule)
+    cos = min_cosine
+    if cos is not None and floor.min_cosine is not None:
+        cos = min(cos, floor.min_cosine)
+    return max(atol, floor.atol), max(rtol, floor.rtol), cos
 
 
 def compare_outputs(

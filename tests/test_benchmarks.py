@@ -67,17 +67,29 @@ def test_peer_suite_times_every_engine_interleaved_with_accuracy(peer, onnx_mode
     shapes = {"x": [(1, 3, 16, 16), (4, 3, 16, 16), (4, 3, 16, 16)]}
     batches = tuple({"x": rng.standard_normal((b, 3, 16, 16)).astype(np.float32)} for b in (1, 4))
     calib = {"x": rng.standard_normal((20, 3, 16, 16)).astype(np.float32)}
-    w = peer.Workload("cnn", onnx_model("cnn"), batches, shapes, calib)
-    rows = peer.measure(w, ["onnxruntime", "openvino", "no-such-backend"], rounds=1)
+    verify = {"x": rng.standard_normal((8, 3, 16, 16)).astype(np.float32)}
+    w = peer.Workload("resnet18 cnn", onnx_model("cnn"), batches, shapes, calib, verify)
+    rows = peer.measure(w, ["onnxruntime", "openvino", "no-such-backend"], rounds=1,
+                        auto_backends=["onnxruntime"], auto_duration=0.1)  # fmt: skip
     engines = {r["engine"] for r in rows}
     assert {"onnxruntime session (plain)", "openvino default", "openvino f32",
             "enginekit onnxruntime fp32", "enginekit onnxruntime int8",
-            "enginekit openvino fp32", "enginekit openvino int8"} <= engines  # fmt: skip
+            "enginekit openvino fp32", "enginekit openvino int8", peer.FIXED} <= engines  # fmt: skip
     timed = [r for r in rows if "ms" in r]
     assert {r["batch"] for r in timed} == {1, 4}
+    assert {r["batch"] for r in timed if r["engine"] == peer.FIXED} == {1}  # batch 1 only
     plain = [r for r in timed if r["engine"] == "onnxruntime session (plain)"]
     assert all(r["vs_ort"] == 1.0 and r["cosine"] == pytest.approx(1.0) for r in plain)
     assert all(r["cosine"] > 0.99 and 0 <= r["top1"] <= 1 for r in timed)
     assert any("unavailable" in r.get("note", "") for r in rows if "no-such" in r["engine"])
+    auto = [r for r in timed if r["engine"].startswith("enginekit auto -> onnxruntime")]
+    assert len(auto) == 2 and auto[0]["gate_data"] == "verify_data"
+    found = {g["goal"]: g for g in peer.goals(rows, quick=True)}
+    assert len(found) == 7
+    b1 = found["ResNet-50 b1: best enginekit fp32 vs plain ORT >= 1.2x"]
+    assert b1["value"] > 0 and b1["met"] == (b1["value"] >= 1.2)
+    assert found["encoder: best enginekit fp32 vs OpenVINO f32 >= 1.0x"]["met"] is None
     peer.print_table(rows)
-    assert "vs OV def" in capsys.readouterr().out
+    peer.print_goals(list(found.values()))
+    out = capsys.readouterr().out
+    assert "not measured" in out and "(target 1.3)" in out and "vs OV def" in out

@@ -42,6 +42,8 @@ OPTIONS = {
     "intra_op_threads": "threads inside one operator (0 = ONNX Runtime's default, one per core)",
     "inter_op_threads": "threads across operators in parallel execution mode (0 = default)",
     "execution_mode": "sequential (default) or parallel",
+    "allow_spinning": "intra-op threads spin while waiting for work: true (ORT's default: lowest "
+    "latency) or false (they sleep: leaves the cores to readers and writers in a dataset job)",
     "providers": "execution providers in order, e.g. ['tensorrt', 'cuda', 'cpu'] "
     "(default: ['cpu'] on cpu, ['cuda', 'cpu'] on cuda)",
     "io_binding": "bind inputs and outputs through IOBinding: true, false, or null (default: on "
@@ -169,6 +171,11 @@ def _session_options(options: dict[str, Any], level: str) -> Any:
     so.execution_mode = (
         ort.ExecutionMode.ORT_PARALLEL if mode == "parallel" else ort.ExecutionMode.ORT_SEQUENTIAL
     )
+    spin = options.get("allow_spinning", True)
+    if not isinstance(spin, bool):
+        raise BuildError(f"allow_spinning {spin!r}: expected true or false")
+    if not spin:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return so
 
 

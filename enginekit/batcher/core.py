@@ -1,9 +1,11 @@
 """Batcher: many small requests from threads or asyncio, one engine, full batches.
 
-Threads: one scheduler, which watches the delay windows and deadlines (it sleeps until the next
-one is due, so a queued request expires on time even while the engine is busy), and ``workers``
-engine threads. A worker that finishes a batch takes the next one itself when one is ready, so
-under load batches follow each other without a thread switch through the scheduler.
+Threads: ``workers`` engine threads and one helper. An idle worker waits on the queue itself and
+is woken by submit() only when a batch could be ready (the policy says at how many rows, or at
+what time, the answer flips), so a request reaches the engine with one thread switch. A worker
+hands each finished batch to the helper, which splits the outputs and resolves the futures while
+the worker already runs the next batch; the helper also sleeps until the next queued deadline,
+so a request expires on time even while every worker is inside the engine.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import numpy as np
 
 from enginekit.batcher.metrics import Metrics, prometheus, snapshot
 from enginekit.batcher.policy import ArrivalRate, CostModel, decide, pow2_sizes, take_size
-from enginekit.batcher.queue import Group, WaitQueue
-from enginekit.batcher.request import Layout, Request
+from enginekit.batcher.queue import WaitQueue
+from enginekit.batcher.request import Key, Layout, Request
 from enginekit.engine import Engine
 from enginekit.errors import (
     BatcherClosed,
@@ -35,7 +37,6 @@ from enginekit.errors import (
 
 log = logging.getLogger(__name__)
 
-Batch = tuple[Group, list[Request], str]
 _DEFAULT_MAX_BATCH = 32  # for engines built without profiles (any batch size)
 
 
@@ -134,25 +135,25 @@ class Batcher:
         self.preferred = preferred
         self.name = name
         self._cost = CostModel()
-        self._rate: ArrivalRate | None = ArrivalRate() if adaptive else None
-        self._arrivals = ArrivalRate()  # for stats even when not adaptive
+        self._arrivals = ArrivalRate()
+        self._rate: ArrivalRate | None = self._arrivals if adaptive else None
         self._queue = WaitQueue()
         self._metrics = Metrics()
         self._cv = threading.Condition(threading.Lock())
-        self._handoff: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
-        self._workers = int(workers)
-        self._idle = int(workers)
+        # Finished batches, expired requests and wake-ups for the helper thread; None stops it.
+        self._done: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._workers = self._running = int(workers)
+        self._idle = 0  # workers waiting on the queue
+        self._plan: dict[Key, int] = {}  # group -> rows at which a waiting worker looks again
+        self._wake_at = math.inf  # when a waiting worker looks again by itself
+        self._timer_at = math.inf  # when the helper looks for expired requests by itself
         self._closing = False
-        self._drain = True
-        self._wake = math.inf  # when the sleeping scheduler looks again by itself
         if warmup:
             self._warmup()
         self._threads = [
-            threading.Thread(target=self._schedule, name=f"batcher-{name}-scheduler", daemon=True)
-        ] + [
             threading.Thread(target=self._work, name=f"batcher-{name}-worker{i}", daemon=True)
             for i in range(self._workers)
-        ]
+        ] + [threading.Thread(target=self._help, name=f"batcher-{name}-helper", daemon=True)]
         for t in self._threads:
             t.start()
 
@@ -176,18 +177,16 @@ class Batcher:
             BatcherClosed: close() was called.
         """
         try:
-            request = self._layout.prepare(sample)
+            feeds, form = self._layout.prepare(sample)
         except EngineInputError:
             with self._cv:
                 self._metrics.submitted += 1
                 self._metrics.outcomes["invalid"] += 1
             raise
-        request.priority = int(priority)
         now = time.monotonic()
-        request.arrival = now
         wait = self.timeout if timeout_ms is None else timeout_ms / 1e3
-        if wait is not None:
-            request.deadline = now + wait
+        deadline = math.inf if wait is None else now + wait
+        request = Request(feeds, form, int(priority), now, deadline)
         with self._cv:
             m = self._metrics
             m.submitted += 1
@@ -203,14 +202,15 @@ class Batcher:
                     f"batcher {self.name!r}: {q.count} requests are waiting (max_queue="
                     f"{self.max_queue}); retry later, shed load, or raise max_queue"
                 )
-            q.add(request)
+            rows = q.add(request)
             self._arrivals.observe(now)
-            if self._rate is not None:
-                self._rate.observe(now)
-            # Wake the scheduler only when it has something to do: a worker is free to take
-            # this request, or its deadline falls before the scheduler's next wake-up.
-            if self._idle or request.deadline < self._wake:
+            # Wake a waiting worker only when the batch it waits for may be ready: busy workers
+            # look at the queue by themselves when their batch ends.
+            if self._idle and (rows >= self._plan.get(request.key, 1) or now >= self._wake_at):
                 self._cv.notify()
+            if request.deadline < self._timer_at:
+                self._timer_at = request.deadline
+                self._done.put(("wake",))
         return request.future
 
     def infer(
@@ -240,7 +240,7 @@ class Batcher:
                 self._metrics,
                 queue_depth=self._queue.count,
                 queue_rows=self._queue.rows,
-                running_batches=self._workers - self._idle,
+                running_batches=self._running - self._idle,
                 arrival_rate_per_s=0.0 if math.isinf(gap) or gap <= 0 else 1.0 / gap,
                 model={
                     "fixed_ms": self._cost.fixed * 1e3,
@@ -266,7 +266,6 @@ class Batcher:
         """
         with self._cv:
             self._closing = True
-            self._drain = self._drain and drain
             dropped = [] if drain else self._queue.take_all()
             self._metrics.outcomes["closed"] += len(dropped)
             self._cv.notify_all()
@@ -295,28 +294,106 @@ class Batcher:
             f"max_delay_ms={self.max_delay * 1e3:g} workers={self._workers}>"
         )
 
-    # -- scheduling (under the lock) -------------------------------------------------------------
-
     def _purge_cancelled(self) -> int:
+        """Drop cancelled requests from the queue (under the lock); returns how many."""
         dropped = self._queue.purge_cancelled()
         self._metrics.outcomes["cancelled"] += dropped
         return dropped
 
-    def _expire(self, now: float) -> list[Request]:
-        expired = self._queue.expire(now)
-        self._metrics.outcomes["expired"] += len(expired)
-        return expired
+    # -- the engine threads ----------------------------------------------------------------------
 
-    def _ready(self, now: float) -> tuple[Batch | None, float]:
-        """The batch to send now, if any, and otherwise when to look again."""
+    def _work(self) -> None:
+        """An engine thread: take the next ready batch (or wait for one), run it, hand the
+        outputs to the helper thread, which resolves the futures while this one runs the next
+        batch. Returns once closing and nothing is left to run."""
+        layout, engine, cv, done = self._layout, self.engine, self._cv, self._done
+        buffers: dict[Any, np.ndarray] = {}  # this worker's collation arrays
+        ran: tuple[int, float, bool] | None = None
+        while True:
+            with cv:
+                if ran is not None:
+                    self._ran(*ran)
+                taken = self._take()
+            if taken is None:
+                break
+            requests, expired = taken
+            if expired:
+                done.put(("expired", expired))
+            live = [r for r in requests if r.future.set_running_or_notify_cancel()]
+            if len(live) < len(requests):
+                done.put(("cancelled", len(requests) - len(live)))
+            if not live:
+                ran = None
+                continue
+            rows = sum([r.rows for r in live])
+            start = time.perf_counter()
+            try:
+                feeds = layout.stack(live, rows, buffers)
+                outputs: Any = engine.infer(feeds)
+                if feeds is not live[0].feeds:
+                    outputs = layout.detach(outputs, buffers)
+                ok = True
+            except BaseException as exc:  # handed to the batch's futures
+                outputs, ok = exc, False
+                log.warning("batcher %r: a batch of %d rows failed: %r", self.name, rows, exc)
+            elapsed = time.perf_counter() - start
+            ran = (rows, elapsed, ok)
+            if self._queue.count:  # a read without the lock: a hint is enough here
+                done.put((live, outputs, ok))  # the helper resolves; this runs the next batch
+            else:
+                self._finish((live, outputs, ok))  # low load: no thread switch for the results
+        with cv:
+            self._running -= 1
+            last = self._running == 0
+        if last:
+            done.put(None)  # the helper ends after what is queued before this
+
+    def _ran(self, rows: int, elapsed: float, ok: bool) -> None:
+        """Account a finished batch (under the lock)."""
+        m = self._metrics
+        m.batches += 1
+        m.batch_rows[rows] += 1
+        m.add("engine", elapsed)
+        if ok:
+            self._cost.observe(rows, elapsed)
+
+    def _take(self) -> tuple[list[Request], list[Request]] | None:
+        """The next batch to run and the requests that expired meanwhile, waiting as long as
+        none is ready (under the lock); None once closing with nothing left to run."""
+        cv, q = self._cv, self._queue
+        plan: dict[Key, int]
+        while True:
+            now = time.monotonic()
+            expired = q.expire(now) if q.has_deadlines else []
+            if expired:
+                self._metrics.outcomes["expired"] += len(expired)
+            if not q.count:
+                if self._closing:
+                    return None
+                taken, wake, plan = None, math.inf, {}
+            else:
+                taken, wake, plan = self._ready(now)
+            if taken:
+                return taken, expired
+            if expired:
+                return [], expired
+            # Nothing to send: wait, and tell submit() when waking this thread is worth it.
+            self._idle += 1
+            self._plan, self._wake_at = plan, wake
+            cv.wait(None if math.isinf(wake) else max(wake - now, 0.0))
+            self._idle -= 1
+
+    def _ready(self, now: float) -> tuple[list[Request] | None, float, dict[Key, int]]:
+        """The requests to send now if any; otherwise when to look again and, per group, the
+        row count at which to look again (under the lock)."""
         best: tuple[Any, ...] | None = None
-        wake = self._queue.next_deadline()
-        draining = self._closing
-        for group in self._queue.groups.values():
+        wake, plan = math.inf, {}
+        closing = self._closing
+        for key, group in self._queue.groups.items():
             oldest = group.oldest()
             if oldest is None:
                 continue
-            if draining:
+            if closing:
                 reason = "close"
             else:
                 d = decide(
@@ -330,133 +407,86 @@ class Batcher:
                 )
                 if not d.send:
                     wake = min(wake, d.recheck_at)
+                    plan[key] = d.need
                     continue
                 reason = d.reason
             rank = group.rank(now, self.starve)
             if best is None or rank > best[0]:
                 best = (rank, group, reason)
         if best is None:
-            return None, wake
+            return None, wake, plan
         _, group, reason = best
         size = take_size(group.rows, self.max_batch_size, self.preferred, reason)
         taken = self._queue.take(group, size, now, self.starve)
-        return (group, taken, reason), now
-
-    def _admit(self, batch: Batch, now: float) -> Batch | None:
-        """Mark the batch's futures running; drop cancelled ones. None if nothing is left."""
-        group, taken, reason = batch
-        live = [r for r in taken if r.future.set_running_or_notify_cancel()]
         m = self._metrics
-        m.outcomes["cancelled"] += len(taken) - len(live)
-        if not live:
-            return None
-        for r in live:
-            m.add("queue_wait", now - r.arrival)
         m.reasons[reason] += 1
-        return group, live, reason
+        m.add_many("queue_wait", [now - r.arrival for r in taken])
+        return taken, now, plan
 
-    def _expired_error(self, r: Request) -> DeadlineExceeded:
-        waited = (time.monotonic() - r.arrival) * 1e3
-        return DeadlineExceeded(
-            f"batcher {self.name!r}: request waited {waited:.1f} ms in the queue, past its "
-            f"{(r.deadline - r.arrival) * 1e3:g} ms deadline; the engine is overloaded — add "
-            "capacity, lower the load, or allow a longer timeout_ms"
-        )
+    # -- the helper thread ---------------------------------------------------------------------
 
-    def _next(self, now: float) -> tuple[Batch | None, list[Request]]:
-        """Expire what is due, then take the next ready batch (under the lock)."""
-        expired = self._expire(now)
-        while True:
-            ready, _ = self._ready(now)
-            if ready is None:
-                return None, expired
-            admitted = self._admit(ready, now)
-            if admitted is not None:
-                return admitted, expired
-
-    def _fail_expired(self, expired: list[Request]) -> None:
-        for r in expired:
-            if r.future.set_running_or_notify_cancel():
-                r.future.set_exception(self._expired_error(r))
-
-    def _schedule(self) -> None:
-        """The scheduler thread: expire deadlines on time, hand ready batches to idle workers."""
-        cv = self._cv
+    def _help(self) -> None:
+        """Resolve the futures of finished batches, and fail queued requests whose deadline
+        passed — on time, even while every worker is inside the engine."""
+        cv, done, q = self._cv, self._done, self._queue
         while True:
             with cv:
-                while True:
-                    now = time.monotonic()
-                    expired = self._expire(now)
-                    if expired:
-                        break
-                    if self._closing and not self._queue.count:
-                        if self._idle == self._workers:
-                            for _ in range(self._workers):
-                                self._handoff.put(None)
-                            return
-                        cv.wait()
-                        continue
-                    wake = self._queue.next_deadline()
-                    if self._idle:
-                        batch, wake = self._ready(now)
-                        if batch is not None:
-                            admitted = self._admit(batch, now)
-                            if admitted is not None:
-                                self._idle -= 1
-                                self._handoff.put(admitted)
-                            continue
-                        wake = min(wake, self._queue.next_deadline())
-                    self._wake = wake
-                    cv.wait(None if math.isinf(wake) else max(wake - now, 0.0))
-                    self._wake = -math.inf  # awake: submit need not notify for deadlines
-            self._fail_expired(expired)
-
-    # -- the engine threads --------------------------------------------------------------------
-
-    def _work(self) -> None:
-        """An engine thread: run a batch, deliver it, take the next ready one or go idle."""
-        layout, engine, cv, m = self._layout, self.engine, self._cv, self._metrics
-        while True:
-            batch = self._handoff.get()
-            if batch is None:  # the scheduler's stop signal
-                return
-            while batch is not None:
-                _, requests, _ = batch
-                rows = sum(r.rows for r in requests)
-                results: list[dict[str, np.ndarray]] | None = None
-                error: BaseException | None = None
-                start = time.perf_counter()
-                try:
-                    outputs = engine.infer(layout.stack(requests))
-                    elapsed = time.perf_counter() - start
-                    results = layout.split(outputs, requests)
-                except BaseException as exc:  # handed to the batch's futures
-                    elapsed = time.perf_counter() - start
-                    error = exc
-                    log.warning("batcher %r: a batch of %d rows failed: %r", self.name, rows, exc)
-                with cv:
-                    m.batches += 1
-                    m.batch_rows[rows] += 1
-                    m.add("engine", elapsed)
-                    if error is None:
-                        self._cost.observe(rows, elapsed)
-                        m.outcomes["completed"] += len(requests)
-                    else:
-                        m.outcomes["failed"] += len(requests)
-                    now = time.monotonic()
-                    for r in requests:
-                        m.add("latency", now - r.arrival)
-                    batch, expired = self._next(now) if self._drain else (None, [])
-                    if batch is None:
-                        self._idle += 1
-                        cv.notify()
-                if results is not None:
-                    for r, res in zip(requests, results):
-                        r.future.set_result(res)
-                else:
-                    for r in requests:
-                        r.future.set_exception(error)
+                expired = q.expire(time.monotonic()) if q.has_deadlines else []
+                if expired:
+                    self._metrics.outcomes["expired"] += len(expired)
+                self._timer_at = due = q.next_deadline()
+            if expired:
                 self._fail_expired(expired)
+            try:
+                item = done.get(timeout=None if math.isinf(due) else max(due - time.monotonic(), 0))
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            self._finish(item)
+
+    def _finish(self, item: tuple[Any, ...]) -> None:
+        if item[0] == "expired":
+            self._fail_expired(item[1])
+            return
+        if item[0] == "cancelled":
+            with self._cv:
+                self._metrics.outcomes["cancelled"] += item[1]
+            return
+        if item[0] == "wake":
+            return
+        requests, outputs, ok = item
+        if ok:
+            try:
+                results = self._layout.split(outputs, requests)
+            except BaseException as exc:  # an engine that broke its output contract
+                outputs, ok = exc, False
+        # Count first: a caller that sees its result also sees it in stats().
+        now = time.monotonic()
+        latencies = [now - r.arrival for r in requests]
+        with self._cv:
+            m = self._metrics
+            m.outcomes["completed" if ok else "failed"] += len(requests)
+            m.add_many("latency", latencies)
+        if ok:
+            for r, res in zip(requests, results):
+                r.future.set_result(res)
+        else:
+            for r in requests:
+                r.future.set_exception(outputs)
+
+    def _fail_expired(self, expired: list[Request]) -> None:
+        now = time.monotonic()
+        for r in expired:
+            if r.future.set_running_or_notify_cancel():
+                r.future.set_exception(
+                    DeadlineExceeded(
+                        f"batcher {self.name!r}: request waited {(now - r.arrival) * 1e3:.1f} "
+                        f"ms in the queue, past its {(r.deadline - r.arrival) * 1e3:g} ms "
+                        "deadline; the engine is overloaded — add capacity, lower the load, or "
+                        "allow a longer timeout_ms"
+                    )
+                )
 
     def _warmup(self) -> None:
         feeds_for = {}

@@ -33,6 +33,11 @@ class Metrics:
         self.sums[name] += seconds
         self.counts[name] += 1
 
+    def add_many(self, name: str, seconds: list[float]) -> None:
+        getattr(self, name).extend(seconds)
+        self.sums[name] += sum(seconds)
+        self.counts[name] += len(seconds)
+
 
 def _quantiles(m: Metrics, name: str) -> dict[str, float]:
     """Percentiles of the recent samples, and count and sum since the start, in ms."""

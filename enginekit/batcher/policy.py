@@ -68,11 +68,17 @@ class ArrivalRate:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """Whether to send the waiting rows now, and when to look again if not."""
+    """Whether to send the waiting rows now; if not, what would change that.
+
+    ``need`` is the row count at which the answer flips to send (so a submit wakes the idle
+    worker only once the group reaches it) and ``recheck_at`` the time at which it flips with
+    no new arrival (the window's end, or the expected gap outgrowing the fixed cost).
+    """
 
     send: bool
     reason: str  # "full", "window", "adaptive", "close", or "" while waiting
     recheck_at: float = math.inf
+    need: int = 1
 
 
 def decide(
@@ -91,14 +97,17 @@ def decide(
     if now >= window_end:
         return Decision(True, "window")
     if rate is None:
-        return Decision(False, "", window_end)
+        return Decision(False, "", window_end, max_rows)
     gap = rate.expected_gap(now)
-    if gap > window_end - now or rows * (gap + cost.per_row) >= cost.fixed:
+    step = gap + cost.per_row
+    if gap > window_end - now or rows * step >= cost.fixed:
         return Decision(True, "adaptive")
     # Nothing arriving makes the expected gap grow: look again when either test would flip.
     flip = rate.last + max(cost.fixed / rows - cost.per_row, 0.0)
     half = (window_end + rate.last) / 2
-    return Decision(False, "", min(window_end, max(flip, now), max(half, now)))
+    # Each arrival adds a row: the rows at which waiting stops paying at today's gap.
+    need = max_rows if step <= 0 else min(max(math.ceil(cost.fixed / step), rows + 1), max_rows)
+    return Decision(False, "", min(window_end, max(flip, now), max(half, now)), need)
 
 
 def pow2_sizes(limit: int) -> tuple[int, ...]:

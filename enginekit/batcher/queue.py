@@ -71,7 +71,12 @@ class WaitQueue:
         self._seq = 0
         self._deadlines: list[tuple[float, int, Request]] = []
 
-    def add(self, request: Request) -> None:
+    @property
+    def has_deadlines(self) -> bool:
+        return bool(self._deadlines)
+
+    def add(self, request: Request) -> int:
+        """Queue ``request``; returns the rows now waiting in its group."""
         self._seq += 1
         request.seq = self._seq
         group = self.groups.get(request.key)
@@ -82,6 +87,7 @@ class WaitQueue:
         self.rows += request.rows
         if request.deadline != math.inf:
             heapq.heappush(self._deadlines, (request.deadline, request.seq, request))
+        return group.rows
 
     def _remove(self, request: Request) -> None:
         request.state = DEAD

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import difflib
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,8 @@ from enginekit.errors import EngineInputError, UsageError
 QUEUED, TAKEN, DEAD = 0, 1, 2
 
 Key = tuple[Any, ...]
+# What validation found, cached per input signature: single row?, rows, group key, lengths.
+Form = tuple[bool, int, Key, "dict[str, int] | None"]
 
 
 class Request:
@@ -43,21 +46,19 @@ class Request:
     def __init__(
         self,
         feeds: dict[str, np.ndarray],
-        rows: int,
-        single: bool,
-        key: Key,
-        lengths: dict[str, int] | None,
+        form: Form,
+        priority: int = 0,
+        arrival: float = 0.0,
+        deadline: float = math.inf,
     ) -> None:
         self.feeds = feeds
-        self.rows = rows
-        self.single = single
-        self.key = key
-        self.lengths = lengths  # padded symbol -> this request's own size (padding only)
+        # lengths: padded symbol -> this request's own size (padding only)
+        self.single, self.rows, self.key, self.lengths = form
         self.future: concurrent.futures.Future[dict[str, np.ndarray]] = concurrent.futures.Future()
-        self.priority = 0
+        self.priority = priority
         self.seq = 0
-        self.arrival = 0.0
-        self.deadline = float("inf")
+        self.arrival = arrival
+        self.deadline = deadline
         self.state = QUEUED
 
 
@@ -112,7 +113,7 @@ class Layout:
                 if isinstance(d, str) and d != "?":
                     symbols.setdefault(d, []).append((s.name, axis))
         self._shared = {sym: uses for sym, uses in symbols.items() if len(uses) > 1}
-        self._checked: dict[Any, tuple[bool, int, Key, dict[str, int] | None]] = {}
+        self._checked: dict[Any, Form] = {}
         self.pad_values = dict(pad_values or {})
         self._padded: dict[str, tuple[str, int]] = {}  # symbol -> (input, axis) it is read from
         self._buckets: dict[str, tuple[int, ...]] = {}
@@ -170,10 +171,14 @@ class Layout:
 
     # -- at submit -----------------------------------------------------------------------------
 
-    def prepare(self, sample: Any) -> Request:
-        """Normalize and validate ``sample``; raises EngineInputError naming what is wrong."""
+    def prepare(self, sample: Any) -> tuple[dict[str, np.ndarray], Form]:
+        """Normalize and validate ``sample``: its feeds (with the batch dim) and its form.
+        Raises EngineInputError naming what is wrong."""
         names = self.names
         if type(sample) is np.ndarray and len(names) == 1:  # the common case, kept short
+            form = self._checked.get((sample.dtype, sample.shape))
+            if form is not None:
+                return {names[0]: sample[None] if form[0] else sample}, form
             feeds = {names[0]: sample}
             sig: Any = (sample.dtype, sample.shape)
         else:
@@ -193,15 +198,14 @@ class Layout:
             sig = tuple([(a.dtype, a.shape) for a in feeds.values()])
             if len(names) == 1:
                 sig = sig[0]
-        hit = self._checked.get(sig)
-        if hit is None:
-            hit = self._check(feeds)
+        form = self._checked.get(sig)
+        if form is None:
+            form = self._check(feeds)
             if len(self._checked) < 4096:
-                self._checked[sig] = hit
-        single, rows, key, lengths = hit
-        if single:
+                self._checked[sig] = form
+        if form[0]:
             feeds = {n: a[None] for n, a in feeds.items()}
-        return Request(feeds, rows, single, key, lengths)
+        return feeds, form
 
     def _name_error(self, sample: Mapping[str, Any]) -> None:
         given = [str(k) for k in sample]
@@ -213,7 +217,7 @@ class Layout:
             "; ".join(parts) + f" — this engine takes {', '.join(map(repr, self.names))}"
         )
 
-    def _check(self, feeds: dict[str, np.ndarray]) -> tuple[bool, int, Key, dict[str, int] | None]:
+    def _check(self, feeds: dict[str, np.ndarray]) -> Form:
         modes = set()
         for name, a in feeds.items():
             spec, rank = self._specs[name], self._rank[name]
@@ -307,8 +311,12 @@ class Layout:
 
     # -- in the worker -------------------------------------------------------------------------
 
-    def stack(self, requests: Sequence[Request]) -> dict[str, np.ndarray]:
-        """The requests' rows as one batch (padded to the group's shape when padding is on)."""
+    def stack(
+        self, requests: Sequence[Request], rows: int, buffers: dict[Any, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The requests' ``rows`` rows as one batch (padded to the group's shape when padding
+        is on), copied into ``buffers`` — the calling worker's own arrays, reused from batch to
+        batch so that collating costs one copy and no fresh memory."""
         if len(requests) == 1 and requests[0].lengths is None:
             return requests[0].feeds
         key = requests[0].key
@@ -316,17 +324,31 @@ class Layout:
         for i, name in enumerate(self.names):
             parts = [r.feeds[name] for r in requests]
             target = key[i]
-            if all(p.shape[1:] == target for p in parts):
-                feeds[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-                continue
-            total = sum(p.shape[0] for p in parts)
-            out = np.full((total, *target), self.pad_values[name], dtype=parts[0].dtype)
-            start = 0
-            for p in parts:
-                out[(slice(start, start + p.shape[0]), *map(slice, p.shape[1:]))] = p
-                start += p.shape[0]
+            buf = buffers.get((name, target))
+            if buf is None or len(buf) < rows:
+                buf = buffers[(name, target)] = np.empty((rows, *target), self._dtypes[name])
+            out = buf[:rows]
+            if not self._padded or all(p.shape[1:] == target for p in parts):
+                np.concatenate(parts, out=out)
+            else:
+                out.fill(self.pad_values[name])
+                start = 0
+                for p in parts:
+                    out[(slice(start, start + p.shape[0]), *map(slice, p.shape[1:]))] = p
+                    start += p.shape[0]
             feeds[name] = out
         return feeds
+
+    @staticmethod
+    def detach(
+        outputs: dict[str, np.ndarray], buffers: dict[Any, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """``outputs``, copying any that is a view of a collation buffer (an engine may return
+        its input, e.g. an identity model): the next batch overwrites those buffers."""
+        for k, v in outputs.items():
+            if any(np.may_share_memory(v, b) for b in buffers.values()):
+                outputs = {**outputs, k: v.copy()}
+        return outputs
 
     def split(
         self, outputs: Mapping[str, np.ndarray], requests: Sequence[Request]

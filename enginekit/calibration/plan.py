@@ -28,11 +28,12 @@ from enginekit.calibration import run as run_calibration
 from enginekit.calibration.accuracy import Gates, accuracy_report, summarize
 from enginekit.calibration.collect import has_qdq
 from enginekit.calibration.data import DEFAULT_BATCH, Holdout, batches
+from enginekit.calibration.search import AccuracyTarget, fallback_precision, search
 from enginekit.calibration.table import CalibrationTable, as_table
 from enginekit.calibration.writers import write_qdq
 from enginekit.config import BuildConfig, Precision
 from enginekit.engine import Engine
-from enginekit.errors import BuildError
+from enginekit.errors import BuildError, CalibrationError
 from enginekit.feeds import make_feeds
 from enginekit.model import Model, load_model
 from enginekit.progress import step
@@ -58,6 +59,8 @@ class Quantization:
         verify_data: data to verify on (instead of the held-out samples).
         gates: accuracy gates checked on the verification data.
         allow_table_mismatch: accept a table made for another model hash.
+        target: accuracy-aware int8: the fastest plan (layers kept in float) meeting it
+            (:mod:`enginekit.calibration.search`); its limits are also the gates.
     """
 
     calibration: CalibrationTable | str | os.PathLike | None = None
@@ -66,6 +69,18 @@ class Quantization:
     verify_data: Any = None
     gates: Gates = dataclasses.field(default_factory=Gates)
     allow_table_mismatch: bool = False
+    target: AccuracyTarget | None = None
+
+    @property
+    def checked_gates(self) -> Gates:
+        """The gates verification applies: the target's limits where no gate is given."""
+        t, g = self.target, self.gates
+        if t is None:
+            return g
+        return Gates(
+            g.min_top1_agreement if g.min_top1_agreement is not None else t.min_top1_agreement,
+            g.max_abs_error if g.max_abs_error is not None else t.max_abs_error,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +122,7 @@ def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -
                 ("calibration", q.calibration), ("calib_data", q.calib_data),
                 ("min_top1_agreement", q.gates.min_top1_agreement),
                 ("max_abs_error", q.gates.max_abs_error),
+                ("accuracy_target", q.target),
             )
             if value is not None
         ]  # fmt: skip
@@ -139,10 +155,48 @@ def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -
     table.check_model(model.sha256, q.allow_table_mismatch)
     hook = getattr(backend, "qdq_options", None)
     options = dict(hook(config)) if hook is not None else {}
+    entry = {**table.manifest_entry(), "qdq": {"style": "tensorrt", **options}}
+    if q.target is not None:
+        return _search(model, config, table, held.held, q, q.target, options, entry)
     with step("writing the Q/DQ model"):
         qdq = write_qdq(model, table, allow_table_mismatch=q.allow_table_mismatch, **options)
-    entry = {**table.manifest_entry(), "qdq": {"style": "tensorrt", **options}}
     return Quantized(load_model(qdq), table, held.held, entry)
+
+
+def _search(
+    model: Model,
+    config: BuildConfig,
+    table: CalibrationTable,
+    held: list[dict[str, np.ndarray]],
+    q: Quantization,
+    target: AccuracyTarget,
+    options: Mapping[str, Any],
+    entry: dict[str, Any],
+) -> Quantized:
+    """Accuracy-aware int8: the fastest plan meeting ``target`` on held-out rows (or
+    ``verify_data``), recorded in the manifest's ``calibration.accuracy_search``."""
+    fallback = fallback_precision(target, config.backend)
+    rows: list[dict[str, np.ndarray]] = list(held)
+    if not rows and q.verify_data is not None:
+        rows = verify_batches(q.verify_data, model, config) or []
+    if not rows:
+        raise CalibrationError(
+            "accuracy_target needs held-out rows to measure plans on: pass calib_data= (every "
+            f"{HOLDOUT_EVERY}th sample is held out; give at least {HOLDOUT_EVERY}) or "
+            "verify_data=; a calibration table alone has none"
+        )
+    # Batches as the model takes them (a fixed-batch model's held-out rows are re-cut).
+    rows = list(batches(rows, model.inputs, DEFAULT_BATCH, None, _profile(config)))
+
+    def write(t: CalibrationTable) -> Any:
+        return write_qdq(model, t, allow_table_mismatch=q.allow_table_mismatch, **options)
+
+    with step(f"searching int8 plans for {target}"):
+        result = search(model.proto, table, rows, target, write, fallback)
+    entry = {**entry, "accuracy_search": result.manifest_entry(target)}
+    if result.chosen.method != table.method:
+        entry["method"] = result.chosen.method
+    return Quantized(load_model(result.model), table, held, entry)
 
 
 def _profile(config: BuildConfig) -> Mapping[str, Any] | None:
@@ -194,7 +248,7 @@ def verify(
         data = batches(quantized.held_out, model.inputs, DEFAULT_BATCH, None, _profile(config))
         label = f"held-out calibration samples (every {HOLDOUT_EVERY}th)"
     else:
-        if q.gates.min_top1_agreement is not None:
+        if q.checked_gates.min_top1_agreement is not None:
             raise BuildError(
                 "min_top1_agreement needs real data: pass verify_data= or calib_data= (random "
                 "inputs say nothing about top-1 agreement)"
@@ -223,13 +277,14 @@ def verify(
                 "this checks the backend, not the quantization error"
             )
     with step(f"verifying int8 on {label}"):
-        report = accuracy_report(engine, reference, data, q.gates, label)
+        report = accuracy_report(engine, reference, data, q.checked_gates, label)
     report["reference"] = described
     log.info("int8 accuracy: %s", summarize(report))
     return report
 
 
 __all__ = [
+    "AccuracyTarget",
     "Gates",
     "Quantization",
     "Quantized",

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 #: (Relu then folds into the zero point), int32 biases, every op ORT has a QLinear kernel for:
 #: the layout ORT's CPU kernels run fastest (see docs/calibration.md for the measurements).
 STYLES = ("tensorrt", "onnxruntime-cpu")
+WEIGHT_TYPES = ("int8", "uint8")
 _LARGE_BYTES = 1 << 30
 _TRT_OPS = ["Conv", "ConvTranspose", "Gemm", "MatMul", "Add"]
 
@@ -52,6 +53,7 @@ def write_qdq(
     exclude_nodes: Sequence[str] = (),
     allow_table_mismatch: bool = False,
     symbolic_shapes: bool = False,
+    weight_type: str = "int8",
 ) -> onnx.ModelProto:
     """A Q/DQ ONNX model quantized with the table's ranges; standard ``ai.onnx`` ops only.
 
@@ -70,6 +72,9 @@ def write_qdq(
         allow_table_mismatch: accept a table made for another model hash.
         symbolic_shapes: run ORT's symbolic shape inference first (for models whose shapes
             ONNX shape inference cannot work out; it imports torch, ~10 s).
+        weight_type: ``int8`` (symmetric) or ``uint8`` (``onnxruntime-cpu`` only; zero point
+            128: ONNX Runtime's U8U8 kernels, which do not saturate on x86 CPUs without VNNI,
+            where U8S8 does unless ``reduce_range`` costs the weights a bit).
 
     Raises:
         CalibrationError: a table for another model, a model already holding Q/DQ, or a
@@ -77,6 +82,11 @@ def write_qdq(
     """
     if style not in STYLES:
         raise CalibrationError(f"Q/DQ style {style!r} is not one of {', '.join(STYLES)}")
+    if weight_type not in WEIGHT_TYPES or (weight_type == "uint8" and style == "tensorrt"):
+        raise CalibrationError(
+            f"weight_type {weight_type!r} with style {style!r}: expected int8, or uint8 with "
+            "the onnxruntime-cpu style"
+        )
     m = load_model(model)
     table.check_model(m.sha256, allow_table_mismatch)
     if has_qdq(m.proto):
@@ -93,7 +103,7 @@ def write_qdq(
     for name, r in table.tensors.items():
         lo, hi = (-r.amax, r.amax) if trt else r.clipped_range()
         ranges[name] = TensorData(lowest=np.float32(lo), highest=np.float32(hi))
-    ops = list(op_types) if op_types is not None else (_TRT_OPS if trt else None)
+    ops = list(op_types) if op_types is not None else default_op_types(m.proto, style)
     extra: dict[str, Any] = {
         "ActivationSymmetric": trt,
         "WeightSymmetric": True,
@@ -125,7 +135,7 @@ def write_qdq(
                 per_channel=per_channel,
                 reduce_range=reduce_range,
                 activation_type=QuantType.QInt8 if trt else QuantType.QUInt8,
-                weight_type=QuantType.QInt8,
+                weight_type=QuantType.QUInt8 if weight_type == "uint8" else QuantType.QInt8,
                 nodes_to_exclude=list(exclude_nodes),
                 calibrate_method=CalibrationMethod.MinMax,
                 extra_options=extra,
@@ -139,6 +149,7 @@ def write_qdq(
         proto = onnx.load_model(str(out))
     if trt:
         _residual_adds(proto)
+    float_outputs(proto)
     _check_standard_domain(proto)
     proto.doc_string = (
         f"Q/DQ ({style}) by enginekit from calibration table {table.sha256[:16]} "
@@ -150,6 +161,68 @@ def write_qdq(
 
 
 _WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+#: Ops that mark a transformer block (decomposed LayerNorm shows as ReduceMean + Pow/Sqrt).
+_TRANSFORMER_OPS = ("Softmax", "LayerNormalization", "Gelu", "Erf", "Attention")
+
+
+def is_transformer(proto: onnx.ModelProto) -> bool:
+    """Whether the graph holds attention/normalization ops of a transformer block."""
+    return any(n.op_type in _TRANSFORMER_OPS for n in proto.graph.node)
+
+
+def default_op_types(proto: onnx.ModelProto, style: str) -> list[str] | None:
+    """The op types ``write_qdq`` quantizes by default (None: every op ORT can quantize).
+
+    In a transformer only the weighted ops (MatMul, Gemm, Conv) get Q/DQ; LayerNorm, Softmax,
+    Gelu and every elementwise op stay float. The attention-mask Add is why: its mask input
+    holds the dtype's lowest value at padded positions, so its calibrated range spans ~1e38
+    and a Q/DQ pair there rounds every attention score to the same level (measured on BERT:
+    top-1 agreement 77% with elementwise ops quantized, 89% without). The residual stream's
+    outliers (LayerNorm inputs) are the other reason. A CNN keeps its quantized residual Adds:
+    their ranges are tame and they keep the int8 path unbroken between convolutions.
+    """
+    if style == "tensorrt":
+        return list(_TRT_OPS)
+    if is_transformer(proto):
+        return list(_WEIGHTED)
+    return None
+
+
+def float_outputs(proto: onnx.ModelProto) -> None:
+    """Drop the Q/DQ pair in front of each graph output: outputs stay float.
+
+    ORT's quantizer quantizes a graph output like any activation; for a classifier that
+    rounds the logits to 256 levels over a (possibly clipped) range, ties and clips the top
+    classes, and costs top-1 agreement for nothing (the next consumer is the user, in float).
+    """
+    graph = proto.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, int] = {}
+    for n in graph.node:
+        for i in n.input:
+            readers[i] = readers.get(i, 0) + 1
+    dropped: set[int] = set()
+    for out in graph.output:
+        dq = producer.get(out.name)
+        if dq is None or dq.op_type != "DequantizeLinear":
+            continue
+        q = producer.get(dq.input[0])
+        if q is None or q.op_type != "QuantizeLinear" or readers.get(q.output[0], 0) != 1:
+            continue
+        tensor = q.input[0]
+        maker = producer.get(tensor)
+        if maker is None or readers.get(tensor, 0) != 1:
+            continue  # a graph input, or read by others too: leave it
+        maker.output[list(maker.output).index(tensor)] = out.name
+        dropped.update((id(q), id(dq)))
+    if dropped:
+        kept = [n for n in graph.node if id(n) not in dropped]
+        del graph.node[:]
+        graph.node.extend(kept)
+        used = {i for n in graph.node for i in n.input}
+        inits = [t for t in graph.initializer if t.name in used]
+        del graph.initializer[:]
+        graph.initializer.extend(inits)
 
 
 def _residual_adds(proto: onnx.ModelProto) -> None:

@@ -221,9 +221,16 @@ def _add_auto_flags(p: argparse.ArgumentParser) -> None:
         "--backend auto", "build every candidate, verify, bench, keep the best"
     )
     g.add_argument(
+        "--backends",
+        default=None,
+        metavar="A,B",
+        help="backends to try (default: every registered one)",
+    )
+    g.add_argument(
         "--precisions",
         default=None,
-        help="precisions to try, e.g. fp32,int8 (default: --precision)",
+        help="precisions to try, e.g. fp32,int8 (default: fp32, bf16 where the CPU has it, "
+        "int8 with --calib-data/--calibration; or --precision when not fp32)",
     )
     g.add_argument(
         "--objective",
@@ -241,7 +248,8 @@ def _auto_requested(args: argparse.Namespace) -> bool:
     """Whether to build with auto; auto-only flags without ``--backend auto`` are a usage error."""
     if args.backend == "auto":
         return True
-    given = [f for f, v in (("--precisions", args.precisions), ("--objective", args.objective),
+    given = [f for f, v in (("--backends", args.backends), ("--precisions", args.precisions),
+             ("--objective", args.objective),
              ("--bench-duration", args.bench_duration), ("--candidate", args.candidate)) if v]  # fmt: skip
     if given:
         raise UsageError(f"{', '.join(given)} only apply with --backend auto")
@@ -258,6 +266,8 @@ def _cmd_build_auto(args: argparse.Namespace, options: dict[str, Any]) -> int:
     if args.bench_duration is not None and not args.bench_duration > 0:
         raise UsageError(f"--bench-duration must be > 0 seconds, got {args.bench_duration}")
     extra: dict[str, Any] = {}
+    if args.backends:
+        extra["backends"] = names(args.backends)
     if args.precisions:
         extra["precisions"] = names(args.precisions)
     if args.candidate:
@@ -277,6 +287,7 @@ def _cmd_build_auto(args: argparse.Namespace, options: dict[str, Any]) -> int:
         rtol=args.rtol,
         rule=args.rule,
         min_cosine=args.min_cosine,
+        verify_data=args.verify_data,
         **_calibration_kwargs(args),
         **extra,
         **options,
@@ -358,6 +369,7 @@ _SINGLE_BUILD_DEFAULTS = {
     "verify_data": None,
     "min_top1_agreement": None,
     "max_abs_error": None,
+    "accuracy_target": None,
     "allow_table_mismatch": False,
 }
 
@@ -416,6 +428,11 @@ def _add_int8_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-top1-agreement", type=float, help="gate, e.g. 0.99")
     g.add_argument("--max-abs-error", type=float, help="gate on any output element")
     g.add_argument(
+        "--accuracy-target", metavar="TARGET",
+        help="accuracy-aware int8: the fastest plan meeting it, the most sensitive layers kept "
+        "in float: 'top1=0.97', 'max_abs=0.5', 'top1=0.97,fallback=float' (docs/calibration.md)",
+    )  # fmt: skip
+    g.add_argument(
         "--allow-table-mismatch", action="store_true",
         help="accept a calibration table made for another model hash",
     )  # fmt: skip
@@ -426,6 +443,10 @@ def _calibration_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {k: getattr(args, k) for k in keys}
     kwargs["calib_method"] = args.calib_method
     kwargs["allow_table_mismatch"] = args.allow_table_mismatch
+    if args.accuracy_target is not None:
+        from enginekit.calibration.search import AccuracyTarget
+
+        kwargs["accuracy_target"] = AccuracyTarget.parse(args.accuracy_target)
     return kwargs
 
 
@@ -435,9 +456,31 @@ def _accuracy_text(output: str, m: dict[str, Any]) -> str:
     v = m["verify"]
     cal = m.get("calibration") or {}
     how = f"{cal['method']} table {cal['sha256'][:12]}…" if "sha256" in cal else cal.get("source")
-    return (
+    text = (
         f"built {output}: {m['backend']['name']} {m['backend']['version']}, {m['precision']} "
         f"({how}), {m['build']['build_s']:.2f} s\n"
         f"verified against {v.get('reference') or 'float32'} on {v['data']} "
         f"({v['samples']} samples): {summarize(v)}"
     )
+    found = cal.get("accuracy_search")
+    if found:
+        text += "\n" + plans_text(found)
+    return text
+
+
+def plans_text(found: dict[str, Any]) -> str:
+    """The accuracy search's plans, one line each, and the layers kept in float."""
+    lines = [f"accuracy search ({found['measured_on']}), every plan tried:"]
+    for p in found["plans"]:
+        agree = p["top1_agreement"]
+        lines.append(
+            f"  {p['method']:<10} {p['float_layers']:>3} layers in float  "
+            f"top-1 {'-' if agree is None else f'{agree:.2%}'}  max abs {p['max_abs']:.3g}  "
+            f"{p['speedup_vs_fp32']:.2f}x fp32  {'met' if p['met'] else 'missed'}"
+        )
+    kept = found["kept_in_float"]
+    lines.append(
+        f"kept in float ({found['fallback_precision']}: {found['fallback_reason']}): "
+        + (", ".join(k["layer"] for k in kept) if kept else "none")
+    )
+    return "\n".join(lines)

@@ -175,5 +175,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
     ]
     if s.ray:
         lines.append(f"engine ran on Ray ({s.ray})")
+    if s.rows_inferred:
+        lines.append(s.stages.describe())
     report(args, s.to_json(), "\n".join(lines))
     return EXIT_OK

@@ -22,7 +22,8 @@ def add(sub: Any) -> None:
         "profile",
         help="per-op time table of an engine (the backend's profiler), with GFLOP/s vs peak",
         description="Runs one batch with the backend's own profiler (ONNX Runtime's, "
-        "OpenVINO's performance counters) and prints the slowest ops, each op's share of "
+        "OpenVINO's performance counters, TVM's Relax VM instrument, the JAX profiler for "
+        "XLA) and prints the slowest ops, each op's share of "
         "the time, and the GFLOP/s of matrix products and convolutions against a float32 "
         "matmul peak measured in the same run.",
     )

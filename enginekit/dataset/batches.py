@@ -62,11 +62,17 @@ def rebatch(pieces: Iterator[Piece], size: int, shard_rows: int, start: int) -> 
 
 
 def concat(pieces: Sequence[Piece]) -> Piece:
-    import pyarrow as pa
-
-    ids = {k: pa.concat_arrays([_chunk(p.ids[k]) for p in pieces]) for k in pieces[0].ids}
+    """The rows of several pieces as one (copies: the engine wants one contiguous batch)."""
+    ids = concat_ids([p.ids for p in pieces])
     inputs = {k: np.concatenate([p.inputs[k] for p in pieces]) for k in pieces[0].inputs}
     return Piece(ids, inputs, sum(p.rows for p in pieces))
+
+
+def concat_ids(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Id columns of consecutive pieces, joined per column."""
+    import pyarrow as pa
+
+    return {k: pa.concat_arrays([_chunk(p[k]) for p in parts]) for k in parts[0]}
 
 
 def _chunk(col: Any) -> Any:

@@ -1,10 +1,8 @@
 """``infer_dataset``: rows from a source through an engine into committed shards, pipelined.
 
-Three stages overlap, joined by bounded queues: a reader thread (reading, decoding — images in
-a thread pool or worker processes — and cutting rows into batches that never cross a shard
-boundary), the engine on the calling thread, and a writer thread that gathers a shard's
-outputs, writes the shard atomically and commits it to the ledger. The queues bound memory; the engine only waits when
-reading is slower than inference.
+This module checks the arguments, prepares (or resumes) the output and its ledger, chooses the
+batch size and summarizes; :mod:`enginekit.dataset.pipeline` runs the reader, engine and writer
+stages (or writes what Ray computed).
 """
 
 from __future__ import annotations
@@ -12,34 +10,27 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import queue
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from enginekit.dataset import ledger as ledger_mod
-from enginekit.dataset.autobatch import (
-    BatchChoice,
-    choose_batch_size,
-    is_out_of_memory,
-    parse_memory,
-)
-from enginekit.dataset.batches import Batch, concat, rebatch
+from enginekit.dataset.autobatch import BatchChoice, choose_batch_size, parse_memory
+from enginekit.dataset.batches import concat
 from enginekit.dataset.images import ImagePreprocess
+from enginekit.dataset.pipeline import StageTimes, State, run_local, write_all
 from enginekit.dataset.progress import Progress
 from enginekit.dataset.resolve import open_source
-from enginekit.dataset.sinks import check_format, remove_outputs, shard_name, write_shard
-from enginekit.dataset.sources import IterableSource, Piece, Source
+from enginekit.dataset.sinks import check_format, remove_outputs
+from enginekit.dataset.sources import IterableSource, Source
 from enginekit.engine import Engine
 from enginekit.errors import DatasetError, UsageError
 
 #: Rows per shard when not given: a crash loses at most this much work.
 DEFAULT_SHARD_ROWS = 16384
-_END = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +53,18 @@ class InferSummary:
     rows_per_s: float
     resumed: bool
     ray: str | None = None
+    stages: StageTimes = dataclasses.field(default_factory=StageTimes)
+
+    @property
+    def bottleneck(self) -> str:
+        """The stage that limited this run (see :class:`StageTimes`)."""
+        return self.stages.bottleneck
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["batch_choice"] = self.batch_choice.to_json() if self.batch_choice else None
+        out["stages"] = self.stages.to_json()
+        out["bottleneck"] = self.bottleneck
         return out
 
 
@@ -270,55 +269,34 @@ def _run(
         led.finish()  # only the source's last shard is short: everything was committed
     if led.complete:
         return _summary(
-            out, fmt, src, led, 0, start, skipped_shards, size, choice, 0, start_time, previous, ray
-        )
-    total = src.rows
-    bar = Progress(total, start, progress)
-    state = _State()
+            out, fmt, src, led, 0, start, skipped_shards, size, choice, State(), start_time,
+            previous, ray,
+        )  # fmt: skip
+    bar = Progress(src.rows, start, progress)
+    state = State()
     try:
         if ray:
             from enginekit.dataset.ray import ray_batches
 
             results = ray_batches(given, src, start, size, rows_per_shard, ray)
-            inferred = _write_all(results, led, out, fmt, tensor_format, bar, state, prefetch)
+            inferred = write_all(results, led, out, fmt, tensor_format, bar, state, prefetch)
         else:
-            inferred = _pipeline(
-                engine,
-                src,
-                led,
-                out,
-                fmt,
-                tensor_format,
-                size,
-                rows_per_shard,
-                start,
-                prefetch,
-                bar,
-                state,
-            )
+            inferred = run_local(
+                engine, src, led, out, fmt, tensor_format, size, rows_per_shard, start,
+                prefetch, bar, state,
+            )  # fmt: skip
     finally:
         bar.close()
     led.finish()
     return _summary(
-        out,
-        fmt,
-        src,
-        led,
-        inferred,
-        start,
-        skipped_shards,
-        size,
-        choice,
-        state.oom,
-        start_time,
-        previous,
-        ray,
-    )
+        out, fmt, src, led, inferred, start, skipped_shards, size, choice, state, start_time,
+        previous, ray,
+    )  # fmt: skip
 
 
 def _summary(
     out: Path, fmt: str, src: Source, led: ledger_mod.Ledger, inferred: int, skipped: int,
-    skipped_shards: int, size: int, choice: BatchChoice | None, oom: int, start_time: float,
+    skipped_shards: int, size: int, choice: BatchChoice | None, state: State, start_time: float,
     previous: Any, ray: Any,
 ) -> InferSummary:  # fmt: skip
     seconds = time.perf_counter() - start_time
@@ -334,171 +312,10 @@ def _summary(
         shards_skipped=skipped_shards,
         batch_size=size,
         batch_choice=choice,
-        oom_retries=oom,
+        oom_retries=state.oom,
         seconds=seconds,
         rows_per_s=inferred / seconds if seconds > 0 else 0.0,
         resumed=previous is not None,
         ray=None if not ray else (ray if isinstance(ray, str) else "local"),
+        stages=state.clock.freeze(remote=bool(ray)),
     )
-
-
-@dataclasses.dataclass
-class _State:
-    oom: int = 0
-    error: BaseException | None = None
-    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-
-def _put(q: queue.Queue, item: Any, state: _State) -> bool:
-    """Put unless the job is stopping; False when it is."""
-    while not state.stop.is_set():
-        try:
-            q.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            continue
-    return False
-
-
-def _get(q: queue.Queue, state: _State) -> Any:
-    while True:
-        try:
-            return q.get(timeout=0.1)
-        except queue.Empty:
-            if state.stop.is_set():
-                return _END
-
-
-def _infer(engine: Engine, inputs: dict[str, np.ndarray], state: _State) -> dict[str, np.ndarray]:
-    """Run one batch; on an out-of-memory error, run it as two halves (recorded)."""
-    try:
-        return engine.infer(inputs)
-    except Exception as exc:
-        n = next(iter(inputs.values())).shape[0]
-        if not is_out_of_memory(exc) or n < 2:
-            raise
-        state.oom += 1
-        half = n // 2
-        a = _infer(engine, {k: v[:half] for k, v in inputs.items()}, state)
-        b = _infer(engine, {k: v[half:] for k, v in inputs.items()}, state)
-        return {k: np.concatenate([a[k], b[k]]) for k in a}
-
-
-def _pipeline(
-    engine: Engine, src: Source, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
-    size: int, shard_rows: int, start: int, prefetch: int, bar: Progress, state: _State,
-) -> int:  # fmt: skip
-    inbox: queue.Queue = queue.Queue(prefetch)
-    outbox: queue.Queue = queue.Queue(prefetch)
-
-    def read() -> None:
-        try:
-            for batch in rebatch(src.pieces(start, size), size, shard_rows, start):
-                if not _put(inbox, batch, state):
-                    return
-        except BaseException as exc:
-            state.error = state.error or exc
-            state.stop.set()
-        _put(inbox, _END, state)
-
-    reader = threading.Thread(target=read, name="enginekit-read", daemon=True)
-    reader.start()
-    writer = _start_writer(outbox, led, out, fmt, tensor_format, bar, state)
-    rows = 0
-    try:
-        while True:
-            batch = _get(inbox, state)
-            if batch is _END:
-                break
-            outputs = _infer(engine, batch.piece.inputs, state)
-            rows += batch.piece.rows
-            if not _put(outbox, (batch, outputs), state):
-                break
-    except BaseException as exc:
-        state.error = state.error or exc
-        state.stop.set()
-    _put(outbox, _END, state)
-    writer.join()
-    state.stop.set()
-    reader.join()
-    if state.error is not None:
-        raise state.error
-    return rows
-
-
-def _write_all(
-    results: Iterator[tuple[Batch, dict[str, np.ndarray]]], led: ledger_mod.Ledger, out: Path,
-    fmt: str, tensor_format: str, bar: Progress, state: _State, prefetch: int,
-) -> int:  # fmt: skip
-    """The writer for results computed elsewhere (Ray): same shards, same ledger."""
-    outbox: queue.Queue = queue.Queue(prefetch)
-    rows = 0
-
-    writer = _start_writer(outbox, led, out, fmt, tensor_format, bar, state)
-    try:
-        for item in results:
-            rows += item[0].piece.rows
-            if not _put(outbox, item, state):
-                break
-    except BaseException as exc:
-        state.error = state.error or exc
-        state.stop.set()
-    _put(outbox, _END, state)
-    writer.join()
-    if state.error is not None:
-        raise state.error
-    return rows
-
-
-def _start_writer(
-    outbox: queue.Queue, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
-    bar: Progress, state: _State,
-) -> threading.Thread:  # fmt: skip
-    """The writer thread: shards from ``outbox`` until the end mark; an error stops the run."""
-
-    def write() -> None:
-        try:
-            _write_loop(outbox, led, out, fmt, tensor_format, bar, state)
-        except BaseException as exc:
-            state.error = state.error or exc
-            state.stop.set()
-
-    writer = threading.Thread(target=write, name="enginekit-write", daemon=True)
-    writer.start()
-    return writer
-
-
-def _write_loop(
-    outbox: queue.Queue, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
-    bar: Progress, state: _State,
-) -> None:  # fmt: skip
-    parts: list[tuple[Piece, dict[str, np.ndarray]]] = []
-    shard = len(led.shards)
-    while True:
-        item = _get(outbox, state)
-        if item is _END:
-            break
-        batch, outputs = item
-        if batch.shard != shard:
-            raise DatasetError(f"internal: batch of shard {batch.shard} while writing {shard}")
-        parts.append((batch.piece, outputs))
-        bar.advance(batch.piece.rows)
-        if batch.last:
-            _commit(parts, shard, led, out, fmt, tensor_format)
-            parts, shard = [], shard + 1
-    if parts and not state.stop.is_set():
-        _commit(parts, shard, led, out, fmt, tensor_format)
-
-
-def _commit(
-    parts: list[tuple[Piece, dict[str, np.ndarray]]], shard: int, led: ledger_mod.Ledger,
-    out: Path, fmt: str, tensor_format: str,
-) -> None:  # fmt: skip
-    piece = concat([p for p, _ in parts]) if len(parts) > 1 else parts[0][0]
-    outputs = {
-        k: np.concatenate([o[k] for _, o in parts]) if len(parts) > 1 else parts[0][1][k]
-        for k in parts[0][1]
-    }
-    name = shard_name(shard, fmt)
-    write_shard(out / name, piece.ids, outputs, fmt, tensor_format)
-    led.commit(shard, name, piece.rows)

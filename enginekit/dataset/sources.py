@@ -113,8 +113,20 @@ def _mapping(
     return mapping
 
 
-#: Rows per Parquet read (at least the batch size).
-READ_ROWS = 4096
+#: About this many bytes of input rows per Parquet read: large enough that per-read costs do
+#: not grow with the number of batches, small enough that the memory pool reuses its buffers
+#: instead of mapping fresh pages for every read (page faults showed up as system time).
+READ_BYTES = 8 << 20
+
+
+def read_rows(size: int, inputs: Sequence[TensorSpec]) -> int:
+    """Rows per read: a whole number of batches (so batches are views, not joined copies),
+    about :data:`READ_BYTES` of inputs."""
+    row = 0
+    for spec in inputs:
+        dims = [d for d in spec.shape[1:] if isinstance(d, int)]
+        row += np.dtype(spec.dtype).itemsize * int(np.prod(dims, dtype=np.int64))
+    return size * max(1, READ_BYTES // max(1, row * size))
 
 
 # -- Parquet ------------------------------------------------------------------------------------
@@ -184,13 +196,13 @@ class ParquetSource(Source):
                 row += groups[first]
                 first += 1
             try:
-                pf = pq.ParquetFile(f)
-                # Read in large pieces (cut into batches later, as views): per-read costs
-                # then do not grow with the number of small batches.
+                # Memory-mapped (no copy out of the page cache), decoded on this thread: the
+                # columns pyarrow's threads would decode in parallel are mostly one tensor
+                # column, and the reader runs beside the engine, whose threads want the cores.
+                pf = pq.ParquetFile(f, memory_map=True)
                 batches = pf.iter_batches(
-                    batch_size=max(size, READ_ROWS), row_groups=range(first, len(groups)),
-                    columns=needed,
-                    use_threads=True,
+                    batch_size=read_rows(size, self.inputs), row_groups=range(first, len(groups)),
+                    columns=needed, use_threads=False,
                 )  # fmt: skip
                 for rb in batches:
                     if skip:

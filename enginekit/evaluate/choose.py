@@ -1,10 +1,14 @@
 """``--backend auto``: build every candidate, verify each, bench the ones that pass, keep the best.
 
-Candidates default to every registered backend available here, at each precision asked for;
-they can be given explicitly as (backend, options) pairs or :class:`Candidate` objects. A
-candidate that cannot be built here, fails to build, fails verification or fails to run is
-recorded with its reason and never chosen. The winner's manifest gets ``auto``: every
-candidate's result, the objective, and why the winner won.
+Candidates default to every registered backend (or those in ``backends=``) at every precision
+this host runs well: fp32, bf16 where the CPU has bf16 instructions, int8 when calibration data
+is given (:func:`enginekit.evaluate.agreement.host_precisions`); they can be given explicitly as
+(backend, options) pairs or :class:`Candidate` objects. A candidate that cannot be built here,
+fails to build, fails verification, misses the accuracy gate (reduced precisions: top-1
+agreement with float32 on one shared batch, :mod:`enginekit.evaluate.agreement`) or fails to run
+is recorded with its reason and never chosen. The winner's manifest gets ``auto``: every
+candidate's result, speed and agreement, the objective, why the winner won and why each other
+candidate lost.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from enginekit.calibration.plan import Quantization
 from enginekit.config import BuildConfig
 from enginekit.engine import Engine
 from enginekit.errors import BuildError, EnginekitError, UsageError, VerificationError
+from enginekit.evaluate import agreement
 from enginekit.evaluate.bench import bench_many, max_batch
 from enginekit.evaluate.candidates import Candidate, as_candidate, skip_reason
 from enginekit.evaluate.report import BatchResult
@@ -40,12 +45,20 @@ OBJECTIVES = ("latency", "throughput")
 
 
 def default_candidates(
-    precisions: Sequence[str], options: Mapping[str, Any] | None = None
+    precisions: Sequence[str],
+    options: Mapping[str, Any] | None = None,
+    backends: Sequence[str] | None = None,
 ) -> list[tuple[Candidate, list[str]]]:
-    """Every registered backend at every precision, each with the ``options`` it knows;
-    returned with the option names it does not know (dropped for it)."""
+    """Every registered backend (or each of ``backends``) at every precision, each with the
+    ``options`` it knows; returned with the option names it does not know (dropped for it).
+
+    Raises:
+        UnknownBackend: a name in ``backends`` is not registered (the closest one suggested).
+    """
+    for name in backends or ():
+        registry.check_name(name)
     out = []
-    for name in registry.names():
+    for name in backends or registry.names():
         try:
             known = set(getattr(registry.get(name), "OPTIONS", {}))
         except EnginekitError:
@@ -134,6 +147,26 @@ def _has_qdq(model: Model) -> bool:
     return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.proto.graph.node)
 
 
+def build_args(cand: Candidate, quant: Quantization) -> dict[str, Any]:
+    """The keyword arguments of :func:`enginekit.build` a candidate's build gets beyond its
+    config — the one place build options reach each candidate.
+
+    int8 candidates get the int8 arguments (calibration table or data, verification data,
+    the accuracy gates); the others none (their verification runs here, on the main model).
+    """
+    if cand.precision != "int8":
+        return {}
+    return {
+        "calibration": quant.calibration,
+        "calib_data": quant.calib_data,
+        "calib_method": quant.calib_method,
+        "verify_data": quant.verify_data,
+        "min_top1_agreement": quant.gates.min_top1_agreement,
+        "max_abs_error": quant.gates.max_abs_error,
+        "allow_table_mismatch": quant.allow_table_mismatch,
+    }
+
+
 def _build_one(
     cand: Candidate,
     model: Model,
@@ -168,17 +201,11 @@ def _build_one(
     try:
         if cand.precision == "int8" and calibrated:
             # build's own int8 stage calibrates and verifies on data, with the accuracy gates
-            engine = build(
-                source, config=dataclasses.replace(config, verify=True), output=f"{out_dir}/",
-                calibration=quant.calibration, calib_data=quant.calib_data,
-                calib_method=quant.calib_method, verify_data=quant.verify_data,
-                min_top1_agreement=quant.gates.min_top1_agreement,
-                max_abs_error=quant.gates.max_abs_error,
-                allow_table_mismatch=quant.allow_table_mismatch,
-            )  # fmt: skip
+            config = dataclasses.replace(config, verify=True)
+            engine = build(source, config=config, output=f"{out_dir}/", **build_args(cand, quant))
             report = engine.manifest["verify"]
         else:
-            engine = build(source, config=config, output=f"{out_dir}/")
+            engine = build(source, config=config, output=f"{out_dir}/", **build_args(cand, quant))
             report = verify_engine(engine, model, dataclasses.replace(config, verify=True))
     except VerificationError as exc:
         record.update(status="failed verification", error=str(exc))
@@ -199,7 +226,7 @@ def _build_one(
 
 
 def build_auto(model: ModelSource, request: Request) -> Engine:
-    """Build every candidate, verify and bench each, write and return the best one.
+    """Build every candidate, verify, gate and bench each, write and return the best one.
 
     ``enginekit.build(model, backend="auto", ...)`` lands here with build's arguments as a
     :class:`~enginekit.build.Request`; these options of ``request.config`` are auto's own:
@@ -207,23 +234,30 @@ def build_auto(model: ModelSource, request: Request) -> Engine:
     Args:
         candidates: what to try: backend names, ``(backend, options[, precision])`` tuples or
             :class:`Candidate` objects (default: every registered backend, at each precision).
-        precisions: precisions to try each default candidate at (default: the config's).
+        backends: the backends of the default candidates (default: every registered one).
+        precisions: precisions to try each default candidate at (default: every precision
+            this host runs well — fp32; bf16 where the CPU has bf16 instructions; int8 with
+            calibration data — or the config's precision when it is not fp32).
         objective: ``latency`` (p50 at the opt shape; default) or ``throughput`` (samples/s at
             the largest profile batch).
         bench_duration: timed seconds per candidate, shared across ``bench_rounds`` rounds.
         bench_rounds: timed rounds (default 3).
 
-    Every other option goes to each default candidate whose backend knows it.
+    Every other option goes to each default candidate whose backend knows it. The int8
+    arguments (``calibration``, ``calib_data``, ``verify_data``, the accuracy gates) go to
+    every int8 candidate (:func:`build_args`), which build's int8 stage calibrates and verifies
+    on data; an int8 candidate without calibration (and a model without Q/DQ nodes) is
+    skipped, saying so. Every candidate that passes then runs one shared batch (``verify_data``,
+    else the calibration rows held out, else generated inputs); a reduced-precision one whose
+    top-1 agreement with float32 falls below ``min_top1_agreement`` (default 0.99) is never
+    chosen.
 
     Raises:
         UsageError: verify off (auto verifies every candidate), a bad objective.
+        UnknownBackend: a name in ``backends`` that no backend is registered under.
         BuildError: subgraph arguments (they apply to one backend), or no candidate could be
             built here.
-
-    The int8 arguments (``calibration``, ``calib_data``, ``verify_data``, the accuracy gates)
-    go to every int8 candidate, which build's int8 stage calibrates and verifies on data; an
-    int8 candidate without calibration (and a model without Q/DQ nodes) is skipped, saying so.
-        VerificationError: every candidate that built failed verification.
+        VerificationError: every candidate that built failed verification or the gate.
     """
     config = request.config
     if config.outputs or not config.simplify:
@@ -235,32 +269,52 @@ def build_auto(model: ModelSource, request: Request) -> Engine:
         raise UsageError("--backend auto verifies every candidate; it cannot run with verify off")
     options = dict(config.options)
     candidates: Sequence[Any] | None = options.pop("candidates", None)
+    backends: Sequence[str] | str | None = options.pop("backends", None)
     precisions: Sequence[str] | None = options.pop("precisions", None)
     objective: str = options.pop("objective", "latency")
     bench_duration: float = options.pop("bench_duration", 1.0)
     bench_rounds: int = options.pop("bench_rounds", 3)
     if objective not in OBJECTIVES:
         raise UsageError(f"objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
+    if isinstance(backends, str):
+        backends = [b.strip() for b in backends.split(",") if b.strip()]
+    if candidates and backends:
+        raise UsageError("give candidates= (each names its backend) or backends=, not both")
     loaded = load_model(model)
+    quant = request.quant
+    calibrated = quant.calibration is not None or quant.calib_data is not None or _has_qdq(loaded)
+    left_out: dict[str, str] = {}
+    if precisions is None and config.precision.value == "fp32" and not candidates:
+        chosen, left_out = agreement.host_precisions(config.device, calibrated)
+    else:
+        chosen = list(precisions or [config.precision.value])
     base = dataclasses.replace(config, options={})
-    output = request.output
     todo: list[tuple[Candidate, list[str]]] = (
         [(as_candidate(c), []) for c in candidates]
         if candidates
-        else default_candidates(list(precisions or [config.precision.value]), options)
+        else default_candidates(chosen, options, backends)
     )
+    floor = quant.gates.min_top1_agreement
+    auto: dict[str, Any] = {
+        "objective": objective,
+        "precisions": chosen if not candidates else sorted({c.precision for c, _ in todo}),
+        "precisions_left_out": left_out,
+        "min_top1_agreement": agreement.DEFAULT_MIN_TOP1 if floor is None else floor,
+    }
     root = Path(tempfile.mkdtemp(prefix="enginekit-auto-"))
     built: list[tuple[Engine, dict[str, Any], Path]] = []
     records: list[dict[str, Any]] = []
     try:
         for i, (cand, dropped) in enumerate(todo):
-            engine, record = _build_one(cand, loaded, base, root / f"c{i}", request.quant)
+            engine, record = _build_one(cand, loaded, base, root / f"c{i}", quant)
             if dropped:
                 record["dropped_options"] = dropped
             records.append(record)
             if engine is not None:
                 built.append((engine, record, root / f"c{i}"))
-        return _choose(built, records, objective, bench_duration, bench_rounds, output, root)
+        built = _gate(built, loaded, base, quant, auto, objective)
+        auto["candidates"] = records
+        return _choose(built, auto, objective, bench_duration, bench_rounds, request.output, root)
     except BaseException:
         for engine, _, _ in built:
             engine.close()
@@ -268,16 +322,54 @@ def build_auto(model: ModelSource, request: Request) -> Engine:
         raise
 
 
+def _gate(
+    built: list[tuple[Engine, dict[str, Any], Path]],
+    model: Model,
+    base: BuildConfig,
+    quant: Quantization,
+    auto: dict[str, Any],
+    objective: str,
+) -> list[tuple[Engine, dict[str, Any], Path]]:
+    """Every built candidate on the shared batch: its agreement recorded, and a reduced
+    precision below the top-1 floor dropped (closed, its record saying why)."""
+    if not built:
+        return built
+    profile = base.profiles[0] if len(base.profiles) == 1 else None
+    chunks, described = agreement.batch(
+        model, profile, _bench_batch(built[0][0], objective), quant.verify_data,
+        quant.calib_data, base.seed,
+    )  # fmt: skip
+    ref = agreement.reference(model, chunks)
+    auto["agreement_data"] = described
+    kept = []
+    for engine, record, path in built:
+        try:
+            found = agreement.measure(engine, chunks, ref)
+        except Exception as exc:  # a run failure on real data is this candidate's result
+            text = str(exc) if isinstance(exc, EnginekitError) else f"{type(exc).__name__}: {exc}"
+            record.update(status="run error", error=text)
+            engine.close()
+            continue
+        record["agreement"] = found.to_json()
+        why = agreement.gate(record["precision"], found, auto["min_top1_agreement"])
+        if why is not None:
+            record.update(status="failed accuracy gate", error=why)
+            engine.close()
+            continue
+        kept.append((engine, record, path))
+    return kept
+
+
 def _choose(
     built: list[tuple[Engine, dict[str, Any], Path]],
-    records: list[dict[str, Any]],
+    auto: dict[str, Any],
     objective: str,
     duration: float,
     rounds: int,
     output: str | os.PathLike | None,
     root: Path,
 ) -> Engine:
-    auto: dict[str, Any] = {"objective": objective, "candidates": records}
+    records: list[dict[str, Any]] = auto["candidates"]
     if not built:
         _fail(auto, records)
     batch = _bench_batch(built[0][0], objective)
@@ -310,6 +402,7 @@ def _choose(
         winner=winner_record["label"],
         reason=_reason([(rec, r) for rec, r, _ in ranked], objective, batch),
     )
+    _verdicts(records, [(rec, r) for rec, r, _ in ranked], objective, auto["reason"])
     index = next(i for i, (_, rec, _) in enumerate(built) if rec is winner_record)
     winner, _, winner_dir = built[index]
     for i, (engine, _, _) in enumerate(built):
@@ -328,9 +421,36 @@ def _choose(
     return winner
 
 
+def _verdicts(
+    records: list[dict[str, Any]],
+    ranked: list[tuple[dict[str, Any], BatchResult]],
+    objective: str,
+    reason: str,
+) -> None:
+    """Each candidate's ``verdict``: why it won, or why it lost (slower by how much, or the
+    stage it failed at)."""
+    best = ranked[0][1] if ranked else None
+    for rec in records:
+        rec["verdict"] = f"lost: {rec['status']}: {rec.get('error')}"
+    for i, (rec, r) in enumerate(ranked):
+        if i == 0:
+            rec["verdict"] = f"won: {reason}"
+        elif best is not None and objective == "latency" and r.latency_ms and best.latency_ms:
+            a, b = best.latency_ms.p50, r.latency_ms.p50
+            rec["verdict"] = (
+                f"lost: slower, p50 {b:.4g} ms vs the winner's {a:.4g} ms ({b / a:.2f}x)"
+            )
+        elif best is not None and r.throughput:
+            a, b = best.throughput, r.throughput
+            rec["verdict"] = (
+                f"lost: lower throughput, {b:.5g} vs the winner's {a:.5g} samples/s ({a / b:.2f}x)"
+            )
+
+
 def _fail(auto: dict[str, Any], records: list[dict[str, Any]]) -> NoReturn:
+    _verdicts(records, [], auto["objective"], "")
     lines = "; ".join(f"{r['label']}: {r['status']} ({r.get('error')})" for r in records)
-    if any(r["status"] == "failed verification" for r in records):
+    if any(r["status"] in ("failed verification", "failed accuracy gate") for r in records):
         raise VerificationError(
             f"--backend auto: no candidate passed verification and ran: {lines}", {"auto": auto}
         )

@@ -387,17 +387,20 @@ def _rounds_text(settings: Mapping[str, Any]) -> str:
 
 def auto_table(auto: Mapping[str, Any]) -> str:
     """The candidates of an ``--backend auto`` build and why the winner won."""
-    header = ["CANDIDATE", "STATUS", "MAX ABS", "P50 MS", "P99 MS", "SAMPLES/S", "SPREAD", "NOTE"]
+    header = ["CANDIDATE", "STATUS", "MAX ABS", "TOP-1", "P50 MS", "P99 MS", "SAMPLES/S", "SPREAD",
+              "NOTE"]  # fmt: skip
     rows = []
     for c in auto.get("candidates", []):
         b = c.get("bench") or {}
         lat = b.get("latency_ms") or {}
         spread = b.get("spread")
+        top1 = (c.get("agreement") or {}).get("top1")
         rows.append(
             [
                 c["label"] + (" *" if c["label"] == auto.get("winner") else ""),
                 c["status"],
                 num((c.get("verify") or {}).get("max_abs")),
+                "-" if top1 is None else f"{top1:.1%}",
                 num(lat.get("p50"), 4),
                 num(lat.get("p99"), 4),
                 rate(b.get("throughput")),
@@ -405,4 +408,6 @@ def auto_table(auto: Mapping[str, Any]) -> str:
                 c.get("error") or b.get("note") or "",
             ]
         )
-    return "\n".join([table(header, rows), f"winner: {auto.get('reason', '')}"])
+    left = auto.get("precisions_left_out") or {}
+    notes = [f"not tried: {p} ({why})" for p, why in left.items()]
+    return "\n".join([table(header, rows), *notes, f"winner: {auto.get('reason', '')}"])

@@ -273,7 +273,7 @@ def test_enginekit_schedule_applies_to_every_conv_and_matmul_kernel(cnn_path):
     from enginekit.backends.tvm import frontend, lower, schedule
 
     target = lower.resolve_target(None, "cpu")
-    _, fused = lower.optimize(frontend.import_onnx(ek.load_model(cnn_path)), target, "NHWC")
+    _, fused, _ = lower.optimize(frontend.import_onnx(ek.load_model(cnn_path)), target, "NHWC")
     lanes = schedule.vector_lanes(target)
     names = []
     for gv, func in fused.functions_items():

@@ -146,3 +146,69 @@ def test_nhwc_relays_per_channel_constants_of_lower_rank(tmp_path):
         assert e.manifest["backend"]["metadata"]["transposes"] == 2
         x = {"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)}
         np.testing.assert_allclose(e.infer(x)["y"], reference(path, x)["y"], rtol=1e-4, atol=1e-3)
+
+
+def _squeeze_model(tmp_path):
+    """conv (W 3 -> 1) -> relu -> Squeeze(-1) -> Unsqueeze(-1) -> 1x1 conv, as
+    ``x.squeeze(-1)`` between convolutions exports."""
+    rng = np.random.default_rng(5)
+    inits = {
+        "w1": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+        "w2": rng.standard_normal((5, 4, 1, 1)).astype(np.float32),
+        "axes": np.array([-1], np.int64),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c"], pads=[1, 0, 1, 0]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("Squeeze", ["r", "axes"], ["s"]),
+        helper.make_node("Unsqueeze", ["s", "axes"], ["u"]),
+        helper.make_node("Conv", ["u", "w2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5, 8, 1])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    path = tmp_path / "squeeze.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path
+
+
+SQUEEZE_SHAPES = {"x": [(1, 3, 8, 3), (2, 3, 8, 3), (2, 3, 8, 3)]}
+
+
+def test_squeeze_with_a_negative_axis_keeps_the_model_nhwc(tmp_path):
+    # TVM 0.27's ConvertLayout died with std::bad_alloc on squeeze(axis=-1) and the whole
+    # model fell back to NCHW; the axis is made non-negative first.
+    path = _squeeze_model(tmp_path)
+    with ek.build(path, backend="tvm", shapes=SQUEEZE_SHAPES) as e:
+        meta = e.manifest["backend"]["metadata"]
+        assert meta["layout"] == "NHWC", meta["layout_notes"]
+        assert meta["conv_layouts"] == {"NHWC/HWIO": 2}
+        assert meta["layout_barriers"] == [] and meta["layout_notes"] == []
+        x = {"x": np.random.default_rng(6).standard_normal((2, 3, 8, 3)).astype(np.float32)}
+        np.testing.assert_allclose(e.infer(x)["y"], reference(path, x)["y"], rtol=1e-4, atol=1e-4)
+
+
+def test_an_op_convertlayout_fails_on_is_kept_nchw_alone(tmp_path, monkeypatch):
+    # Without the axis fix, TVM's failure on the squeeze is real: bisecting finds it, the
+    # squeeze runs NCHW behind transposes and both convolutions still run NHWC.
+    from enginekit.backends.tvm import layout
+
+    monkeypatch.setattr(layout, "positive_axes", lambda mod: mod)
+    from enginekit.artifact import open_artifact
+    from enginekit.backends import tvm as tvm_backend
+
+    path = _squeeze_model(tmp_path)
+    out = tmp_path / "squeeze.ekit"
+    with ek.build(path, backend="tvm", shapes=SQUEEZE_SHAPES, output=out) as e:
+        meta = e.manifest["backend"]["metadata"]
+        assert meta["layout"] == "NHWC" and meta["conv_layouts"] == {"NHWC/HWIO": 2}
+        [barrier] = meta["layout_barriers"]
+        assert barrier["op"] == "relax.squeeze" and "bad_alloc" in barrier["why"]
+        assert barrier["var"].endswith("(batch, 4, 8)")
+        assert tvm_backend.inspect(open_artifact(out))["layout_barriers"] == [barrier]
+        x = {"x": np.random.default_rng(7).standard_normal((2, 3, 8, 3)).astype(np.float32)}
+        np.testing.assert_allclose(e.infer(x)["y"], reference(path, x)["y"], rtol=1e-4, atol=1e-4)

@@ -240,7 +240,7 @@ def test_no_thread_is_left_after_close(cnn):
     before = set(threading.enumerate())
     for workers in (1, 3):
         with ek.Batcher(cnn, workers=workers) as batcher:
-            assert len(batcher_threads()) == workers + 1
+            assert len(batcher_threads()) == workers + 1  # and the helper
             batcher.infer(rows(1)[0])
     batcher = ek.Batcher(cnn)
     batcher.close()

@@ -163,3 +163,82 @@ def test_cli_build_auto_with_candidates_and_exit_codes(models, tmp_path):
 
     misuse = run_cli("build", models["mlp"], "--objective", "latency", "-o", out)
     assert misuse.returncode == 2 and "only apply with --backend auto" in misuse.stderr
+
+
+def test_auto_tries_every_host_precision_with_calibration_data_and_records_why(models, monkeypatch):
+    from enginekit import target
+
+    monkeypatch.setattr(target, "cpu_flags", lambda: frozenset({"avx2"}))  # no bf16 here
+    x = np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)
+    engine = ek.build(
+        models["mlp"], backend="auto", shapes=SHAPES, backends=["onnxruntime"], calib_data=x,
+        **QUICK,
+    )  # fmt: skip
+    auto = engine.manifest["auto"]
+    engine.close()
+    assert auto["precisions"] == ["fp32", "int8"]
+    assert "no bf16 instructions" in auto["precisions_left_out"]["bf16"]
+    assert [(c["backend"], c["precision"]) for c in auto["candidates"]] == [
+        ("onnxruntime", "fp32"),
+        ("onnxruntime", "int8"),
+    ]
+    assert auto["agreement_data"].startswith("6 calibration rows held out")
+    assert auto["min_top1_agreement"] == 0.99
+    for c in auto["candidates"]:
+        assert c["status"] == "passed" and 0.0 <= c["agreement"]["top1"] <= 1.0
+        assert c["verdict"].startswith("won: " if c["label"] == auto["winner"] else "lost: slower")
+
+
+def test_a_reduced_precision_below_the_top1_floor_is_never_chosen(models, monkeypatch):
+    from enginekit.evaluate import agreement
+
+    real = agreement.measure
+
+    def int8_disagrees(engine, feeds, ref):
+        found = real(engine, feeds, ref)
+        if engine.manifest["precision"] == "int8":
+            return agreement.Agreement(0.5, found.cosine, found.rows)
+        return found
+
+    monkeypatch.setattr(agreement, "measure", int8_disagrees)
+    x = np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)
+    engine = ek.build(
+        models["mlp"], backend="auto", shapes=SHAPES, precisions=["int8", "fp32"],
+        backends="onnxruntime", calib_data=x, **QUICK,
+    )  # fmt: skip
+    auto = engine.manifest["auto"]
+    engine.close()
+    int8, fp32 = auto["candidates"]
+    assert int8["status"] == "failed accuracy gate" and "50.00%" in int8["error"]
+    assert int8["verdict"].startswith("lost: failed accuracy gate") and "bench" not in int8
+    assert auto["winner"] == fp32["label"] == "onnxruntime"
+    with pytest.raises(ek.VerificationError, match="failed accuracy gate"):
+        ek.build(models["mlp"], backend="auto", shapes=SHAPES, precisions=["int8"],
+                 backends=["onnxruntime"], calib_data=x, **QUICK)  # fmt: skip
+
+
+def test_backends_restrict_the_candidates_and_a_typo_names_the_closest(models):
+    found = default_candidates(["fp32"], backends=["onnxruntime"])
+    assert [c.backend for c, _ in found] == ["onnxruntime"]
+    with pytest.raises(ek.UsageError, match="did you mean 'openvino'"):
+        ek.build(models["mlp"], backend="auto", shapes=SHAPES, backends=["openvin"])
+    with pytest.raises(ek.UsageError, match="not both"):
+        ek.build(models["mlp"], backend="auto", shapes=SHAPES, backends=["onnxruntime"],
+                 candidates=["onnxruntime"])  # fmt: skip
+
+
+def test_cli_build_auto_backends_flag_and_its_typo(models, tmp_path):
+    out = tmp_path / "best.ekit"
+    proc = run_cli(
+        "build", models["mlp"], "--backend", "auto", "--shapes", SHAPES_TEXT, "-o", out,
+        "--backends", "onnxruntime", "--bench-duration", "0.1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "TOP-1" in proc.stdout and "winner: onnxruntime" in proc.stdout
+    typo = run_cli(
+        "build", models["mlp"], "--backend", "auto", "--shapes", SHAPES_TEXT, "-o", out,
+        "--backends", "onnxrumtime",
+    )  # fmt: skip
+    assert typo.returncode == 2 and "did you mean 'onnxruntime'" in typo.stderr
+    misuse = run_cli("build", models["mlp"], "--backends", "onnxruntime", "-o", out)
+    assert misuse.returncode == 2 and "--backends only apply with --backend auto" in misuse.stderr

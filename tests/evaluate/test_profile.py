@@ -23,7 +23,7 @@ PROFILED = [
             not backends.availability(name).available, reason=f"{name} is not installed"
         ),
     )
-    for name in ("onnxruntime", "openvino")
+    for name in ("onnxruntime", "openvino", "tvm", "xla")
 ]
 
 
@@ -66,15 +66,60 @@ def test_chrome_trace_has_one_complete_event_per_kernel_run(backend, artifacts, 
     assert trace["otherData"]["backend"] == backend
 
 
-def test_unsupported_backend_error_names_the_backends_that_profile(mlp_path):
-    if not backends.availability("xla").available:
-        pytest.skip("xla is not installed")
-    engine = ek.build(mlp_path, backend="xla", shapes={"x": [(1, 16), (4, 16), (8, 16)]})
+def test_backend_without_a_profiler_is_a_usage_error_naming_those_with_one(monkeypatch, mlp_path):
+    # scaled_weight (tests/scaled_weight_backend.py) wraps ONNX Runtime and defines no hook
+    monkeypatch.setitem(backends._BUILTIN, "scaled_weight", "scaled_weight_backend")
+    engine = ek.build(
+        mlp_path, backend="scaled_weight", shapes={"x": [(1, 16), (4, 16), (8, 16)]},
+        verify=False,
+    )  # fmt: skip
     with pytest.raises(
-        ek.UsageError, match="not supported by the xla backend.*onnxruntime.*openvino"
+        ek.UsageError, match="not supported by the scaled_weight backend.*onnxruntime.*openvino"
     ):
         ek.profile(engine)
-    assert {"onnxruntime", "openvino"} <= set(supported())
+    assert {"onnxruntime", "openvino", "tvm", "xla"} <= set(supported())
+
+
+def test_tvm_kernel_flops_read_the_weight_layout_from_the_shapes():
+    from enginekit.backends.tvm.profiler import _op_type, kernel_flops
+
+    nhwc = [(4, 16, 16, 3), (3, 3, 3, 8), (4, 14, 14, 8)]  # HWIO weight
+    nchw = [(4, 3, 16, 16), (8, 3, 3, 3), (4, 8, 14, 14)]  # OIHW weight
+    assert kernel_flops("fused_conv2d_relu", nhwc) == 2 * 4 * 14 * 14 * 8 * 27
+    assert kernel_flops("conv2d1", nchw) == kernel_flops("fused_conv2d_relu", nhwc)
+    assert kernel_flops("fused_matmul_add", [(4, 1568), (1568, 10), (10,), (4, 10)]) == (
+        2 * 4 * 10 * 1568
+    )
+    assert kernel_flops("transpose", [(4, 3), (3, 4)]) is None
+    assert [_op_type(s) for s in ("fused_conv2d_add_relu", "transpose1", "matmul")] == [
+        "conv2d", "transpose", "matmul",
+    ]  # fmt: skip
+
+
+def test_xla_hlo_flops_count_convolutions_dots_and_the_fusions_calling_them():
+    from enginekit.backends.xla.profiler import hlo_flops
+
+    text = """HloModule jit_call
+
+%fused_computation (param_0: f32[4,8], param_1: f32[8,10]) -> f32[4,10] {
+  %param_0 = f32[4,8]{1,0} parameter(0)
+  %param_1 = f32[8,10]{1,0} parameter(1)
+  ROOT %dot.2 = f32[4,10]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main.1 (w: f32[3,3,3,8], x: f32[4,16,16,3], m: f32[8,10]) -> f32[4,10] {
+  %w = f32[3,3,3,8]{3,2,1,0} parameter(0)
+  %x = f32[4,16,16,3]{3,2,1,0} parameter(1)
+  %m = f32[8,10]{1,0} parameter(2)
+  %conv.1 = f32[4,14,14,8]{3,2,1,0} convolution(%x, %w), window={size=3x3}, dim_labels=b01f_01io->b01f
+  %r = f32[4,8]{1,0} reduce(%conv.1), dimensions={1,2}
+  ROOT %dot_fusion = f32[4,10]{1,0} fusion(%r, %m), kind=kOutput, calls=%fused_computation
+}
+"""
+    flops = hlo_flops(text)
+    assert flops["conv.1"] == 2 * 4 * 14 * 14 * 8 * 27
+    assert flops["dot_fusion"] == flops["dot.2"] == 2 * 4 * 10 * 8
+    assert "r" not in flops
 
 
 def test_engine_without_an_artifact_and_bad_runs_are_usage_errors(artifacts):

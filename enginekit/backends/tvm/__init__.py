@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from enginekit import target as host
 from enginekit.backends import Availability, BuildResult
@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 NAME = "tvm"
 DYNAMIC = "model.so"
-PRECISIONS = ("fp32",)
+#: bf16 only for LLVM targets with AVX512-BF16 (enginekit/backends/tvm/precision.py).
+PRECISIONS = ("fp32", "bf16")
 #: Distributions `enginekit backends` reads the version from without importing TVM (~2.5 s).
 PACKAGES = ("apache-tvm", "apache-tvm-ffi")
 KERNELS = "kernels.json"
@@ -115,7 +116,13 @@ def _options(config: BuildConfig) -> dict[str, Any]:
     db = opts.get("tuning_db")
     if db is not None and not isinstance(db, (str, Path)):
         raise BuildError(f"tuning_db {db!r}: expected a directory path")
-    return {"layout": layout, "schedule": schedule, "target": opts.get("target"), "db": db}
+    return {
+        "layout": layout,
+        "schedule": schedule,
+        "target": opts.get("target"),
+        "db": db,
+        "precision": config.precision.value,
+    }
 
 
 def _default_batch(config: BuildConfig, model: Model) -> int:
@@ -176,19 +183,20 @@ def _compile(
 
 def _lower(
     mod: Any, target: Any, opts: dict[str, Any], workdir: Path
-) -> tuple[Any, list[dict[str, Any]], set[str]]:
+) -> tuple[Any, list[dict[str, Any]], set[str], list[Any]]:
     """Optimize in ``opts["layout"]`` and compile the dynamic module; returns the optimized
-    graph, the kernels (before scheduling) and the names of the scheduled ones."""
+    graph, the kernels (before scheduling), the names of the scheduled ones and the layout
+    barriers (ops kept NCHW in an NHWC build)."""
     from enginekit.backends.tvm import lower
 
     layout = opts["layout"]
     with step(f"optimizing the Relax program ({layout}, constant folding, fusion)"):
-        graph, fused = lower.optimize(mod, target, layout)
+        graph, fused, barriers = lower.optimize(mod, target, layout, opts["precision"])
     # Before scheduling, which rewrites the kernels in place (blocks split into init/update).
     kernels = lower.kernel_summary(fused)
     with step(f"compiling {DYNAMIC} for {target.kind.name} (dynamic batch)"):
         _, scheduled = _compile(fused, target, opts, None, workdir / DYNAMIC)
-    return graph, kernels, scheduled
+    return graph, kernels, scheduled, barriers
 
 
 def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
@@ -196,13 +204,18 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     _tvm()
     from enginekit.backends.tvm import frontend, lower, tune
 
-    if config.precision != Precision.FP32:
+    if config.precision not in (Precision.FP32, Precision.BF16):
         raise BuildError(
-            f"the tvm backend builds fp32 engines; got precision {config.precision.value}. "
-            "Use precision='fp32', or the onnxruntime backend for int8/fp16"
+            f"the tvm backend builds fp32 and bf16 engines; got precision "
+            f"{config.precision.value}. Use precision='fp32', or the onnxruntime backend for "
+            "int8/fp16"
         )
     opts = _options(config)
     target = lower.resolve_target(opts["target"], config.device)
+    if config.precision == Precision.BF16:
+        from enginekit.backends.tvm.precision import check_target
+
+        check_target(target, config.device)
     requirements = lower.target_requirements(target)
     if config.device.startswith("cuda") and requirements["kind"] != "cuda":
         raise BuildError(f"device {config.device!r} needs a CUDA target, got {target.kind.name}")
@@ -214,7 +227,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         mod = frontend.import_onnx(model)
     fallback = None
     try:
-        graph, kernels, scheduled = _lower(mod, target, opts, workdir)
+        graph, kernels, scheduled, barriers = _lower(mod, target, opts, workdir)
     except BuildError as exc:
         if opts["layout"] != "NHWC":
             raise
@@ -223,7 +236,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         fallback = f"NHWC failed, built NCHW: {exc}"
         log.warning("tvm: %s", fallback)
         opts["layout"] = "NCHW"
-        graph, kernels, scheduled = _lower(mod, target, opts, workdir)
+        graph, kernels, scheduled, barriers = _lower(mod, target, opts, workdir)
     layout = opts["layout"]
     compile_s = time.perf_counter() - start
     files = [DYNAMIC]
@@ -247,6 +260,9 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "transposes": summary["transposes"],
         "conv_layouts": summary["conv_layouts"],
         "layout_notes": ([fallback] if fallback else []) + summary["layout_notes"],
+        "layout_barriers": [b.to_json() for b in barriers],
+        "precision": opts["precision"],
+        "bf16_ops": _bf16_ops(graph) if opts["precision"] == "bf16" else 0,
         "kernels": len(kernels),
         "fused_kernels": sum(1 for k in kernels if k["name"].startswith("fused_")),
         "modules": modules,
@@ -255,6 +271,12 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "cross_compiled": cross,
     }
     return BuildResult(files=tuple(files), metadata=metadata, target=requirements)
+
+
+def _bf16_ops(graph: Any) -> int:
+    from enginekit.backends.tvm.precision import count_casts
+
+    return count_casts(graph)
 
 
 def _tuned_modules(
@@ -281,7 +303,7 @@ def _tuned_modules(
         label = f"batch {batch}"
         with step(f"tuning {label} ({spec.trials} trials)"):
             mod = frontend.import_onnx(model, shapes)
-            _, fused = lower.optimize(mod, target, opts["layout"])
+            _, fused, _ = lower.optimize(mod, target, opts["layout"], opts["precision"])
             runs[str(batch)] = tune.tune(fused, target, spec, db_dir, label)
         name = f"model-b{batch}.so"
         with step(f"compiling {name} with the tuned kernels"):
@@ -400,6 +422,7 @@ def inspect(artifact: Artifact, ir: bool = False) -> dict[str, Any]:
         "transposes": meta.get("transposes"),
         "conv_layouts": meta.get("conv_layouts"),
         "layout_notes": meta.get("layout_notes", []),
+        "layout_barriers": meta.get("layout_barriers", []),
         "target": meta.get("target"),
         "kernels": len(kernels),
         "fused": fused,
@@ -414,3 +437,18 @@ def inspect(artifact: Artifact, ir: bool = False) -> dict[str, Any]:
         info["kernel_blocks"] = {k["name"]: k["blocks"] for k in kernels}
         info["relax_ops"] = details.get("graph", {}).get("ops", {})
     return info
+
+
+# -- profile -----------------------------------------------------------------------------------
+
+
+def profile(artifact: Artifact, feeds: dict[str, Any], runs: int, warmup: int) -> list[Any]:
+    """Per-kernel times from the Relax VM's call instrument (:mod:`.profiler`)."""
+    from enginekit.backends.tvm import profiler
+    from enginekit.backends.tvm.runtime import TvmEngine
+
+    engine = load(artifact, "cpu")
+    try:
+        return profiler.profile(cast(TvmEngine, engine), feeds, runs, warmup)
+    finally:
+        engine.close()

@@ -5,7 +5,7 @@ The pipeline (one place, so tuning extracts its tasks from exactly the kernels i
 1. ``DecomposeOpsForInference`` (batch norm -> scale/shift), ``CanonicalizeBindings``;
 2. ``ConvertLayout`` to NHWC activations / HWIO weights for conv2d when ``layout="NHWC"``
    (TVM pushes the layout through elementwise ops and pooling, so transposes stay at the
-   model's edges), then ``FoldConstant`` (weight transposes and BN folding done at build time);
+   model's edges; ops it fails on are kept NCHW one by one, :mod:`.layout`), then ``FoldConstant`` (weight transposes and BN folding done at build time);
 3. ``LegalizeOps`` + ``AnnotateTIROpPattern`` + ``FoldConstant`` + ``FuseOps`` + ``FuseTIR``
    (conv + bias + BN + activation, matmul + bias become one kernel);
 4. tuned schedules from a MetaSchedule database, if any, then enginekit's CPU rules
@@ -243,18 +243,24 @@ def full_rank_constants(mod: Any) -> Any:
     return mod
 
 
-def optimize(mod: Any, target: Any, layout: str) -> tuple[Any, Any]:
-    """Steps 1-3 of the module docstring: layout, folding, legalization and fusion.
+def optimize(
+    mod: Any, target: Any, layout: str, precision: str = "fp32"
+) -> tuple[Any, Any, list[Any]]:
+    """Steps 1-3 of the module docstring: layout, (bf16 casts,) folding, legalization, fusion.
 
     Returns:
-        (the optimized Relax graph before lowering, the fused module with TIR kernels).
+        (the optimized Relax graph before lowering, the fused module with TIR kernels, the
+        :class:`~enginekit.backends.tvm.layout.Barrier` ops kept in NCHW).
 
     Raises:
-        BuildError: TVM's layout conversion failed on this graph.
+        BuildError: TVM's layout conversion failed on this graph even op by op.
     """
     import tvm
     from tvm import relax
 
+    from enginekit.backends.tvm.layout import convert_nhwc
+
+    barriers: list[Any] = []
     with target:
         mod = tvm.transform.Sequential(
             [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings()]
@@ -263,17 +269,11 @@ def optimize(mod: Any, target: Any, layout: str) -> tuple[Any, Any]:
         # skipped without one, since TVM 0.27's pass dies (std::bad_alloc) on some
         # symbolic-shape graphs such as a transformer layer exported from PyTorch.
         if layout == "NHWC" and _has_conv2d(mod):
-            mod = full_rank_constants(mod)
-            # HWIO (not OHWI) weights: the output channel is innermost, so the vectorized axis
-            # of the direct convolution reads weights contiguously (OHWI measured 2x slower).
-            try:
-                mod = relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "HWIO"]})(mod)
-            except Exception as exc:
-                raise BuildError(
-                    f"TVM's ConvertLayout to NHWC failed on this model ({type(exc).__name__}: "
-                    f"{error_line(exc)}); build "
-                    "with layout='NCHW'"
-                ) from None
+            mod, barriers = convert_nhwc(full_rank_constants(mod))
+        if precision == "bf16":
+            from enginekit.backends.tvm.precision import to_bf16
+
+            mod = to_bf16(mod)
         graph = tvm.transform.Sequential(
             [relax.transform.FoldConstant(), relax.transform.CanonicalizeBindings()]
         )(mod)
@@ -287,7 +287,7 @@ def optimize(mod: Any, target: Any, layout: str) -> tuple[Any, Any]:
                 relax.transform.DeadCodeElimination(),
             ]
         )(graph)
-    return graph, fused
+    return graph, fused, barriers
 
 
 def apply_schedules(

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from enginekit.artifact import Artifact
     from enginekit.backends.xla.runtime import XlaEngine
     from enginekit.config import BuildConfig
-    from enginekit.engine import Engine
+    from enginekit.engine import Engine, TensorSpec
     from enginekit.model import Model
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 NAME = "xla"
 PROGRAM = "model.stablehlo"
 WEIGHTS = "weights.safetensors"
+#: The ONNX model, kept when value inputs need programs lowered at inference (values.py).
+MODEL = "model.onnx"
 #: bf16/fp16: weights and activations in that type, statistics and softmax in float32
 #: (``lower.WIDE_OPS``); inputs and outputs stay float32. Verification gates them.
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -168,7 +170,7 @@ def _platform(device: str) -> str:
 
 def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     """Lower, export with symbolic dims, measure layouts and XLA options, write the payload."""
-    from enginekit.backends.xla import check, lower, program
+    from enginekit.backends.xla import check, lower, program, values
     from enginekit.backends.xla import layout as lay
     from enginekit.backends.xla import precision as reduced
 
@@ -182,34 +184,58 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         )
     proto = lower.prepare(model.proto)
     check.check(proto)
+    found = values.find(proto)
+    example: dict[str, np.ndarray] = {}
+    specs = list(model.inputs)
+    if found:
+        values.check_sizes(found, values.max_sizes(model.inputs, config.profiles), model.label)
+        example = values.example_values(model, config.profiles, config.seed, found)
+        specs = [s for s in model.inputs if s.name not in found]
     has_convs = any(n.op_type in lay.ANCHORS for n in proto.graph.node)
     layouts = [opts.layout] if opts.layout != "auto" else ["nhwc", "nchw"]
     if not has_convs:
         layouts = [layouts[0]]
-    dims = program.symbolic_dims(model.inputs, config.profiles)
-    bounds = program.symbol_bounds(model.inputs, config.profiles, dims)
+    dims = program.symbolic_dims(specs, config.profiles)
+    bounds = program.symbol_bounds(specs, config.profiles, dims)
     device = _device(config.device)
     platform = _platform(config.device)
-    candidates: dict[str, tuple[Any, Any, Any]] = {}
-    for layout in layouts:
-        lowered = lower.lower(proto, layout, precision=precision)
-        exported = program.export(lowered.fn, lowered.weights, model.inputs, dims, platform, bounds)
-        on_device = _put(lowered.weights, device)
-        candidates[layout] = (lowered, exported, on_device)
     flag_sets = _flag_sets(opts.xla_flags, platform)
-    trials = _tune(model, config, candidates, flag_sets, device, opts)
-    layout, flags_name = (
-        (trials[0]["layout"], trials[0]["flags"]) if len(trials) == 1 else _winner(trials)
-    )
-    lowered, exported, on_device = candidates[layout]
+    try:
+        candidates = _candidates(
+            values.bind(proto, example) if found else proto,
+            layouts, precision, specs, dims, bounds, platform, device,
+        )  # fmt: skip
+    except BuildError as exc:
+        if not found:
+            raise
+        # Example values the model rejects (generated ones can be): nothing to compile or
+        # tune here; programs compile at first use, verification says if the values are bad.
+        log.warning("xla: no program for %s (%s)", values.describe(example), exc)
+        candidates, example = {}, {}
+    files = [MODEL] if found else []
+    if candidates:
+        trials = _tune(model, specs, config, candidates, flag_sets, device, opts)
+        layout, flags_name = (
+            (trials[0]["layout"], trials[0]["flags"]) if len(trials) == 1 else _winner(trials)
+        )
+        lowered, exported, on_device = candidates[layout]
+        (workdir / PROGRAM).write_bytes(program.serialize(exported))
+        _save_weights(workdir / WEIGHTS, lowered.weight_names, lowered.weights)
+        files += [PROGRAM, WEIGHTS]
+    else:
+        trials, layout, lowered = [], layouts[0], None
+        flags_name = "xla-default" if "xla-default" in flag_sets else next(iter(flag_sets))
     buckets = opts.buckets
-    if buckets == "pow2" and not _padding_safe(
+    why_exact = "batch rows interact: padding would change results"
+    if found:
+        buckets, why_exact = "exact", "value inputs: one program per set of values"
+    elif buckets == "pow2" and not _padding_safe(
         model, config, exported, on_device, flag_sets[flags_name], device
     ):
         log.warning("xla: the model's batch rows interact; using one program per batch size")
         buckets = "exact"
-    (workdir / PROGRAM).write_bytes(program.serialize(exported))
-    _save_weights(workdir / WEIGHTS, lowered.weight_names, lowered.weights)
+    if found:
+        values.save_model(workdir / MODEL, proto)
     metadata = {
         "layout": layout,
         "layout_choice": _layout_note(opts.layout, has_convs),
@@ -217,16 +243,14 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "xla_flags": flags_name,
         "tuning": trials,
         "buckets": buckets,
-        "buckets_choice": "requested"
-        if buckets == opts.buckets
-        else "batch rows interact: padding would change results",
+        "buckets_choice": "requested" if buckets == opts.buckets else why_exact,
         "symbolic_dims": dims,
         "symbolic_constraints": list(program.constraints(bounds)),
         "platform": platform,
         "jax_version": jax.__version__,
-        "weight_names": list(lowered.weight_names),
-        "weight_layouts": list(lowered.weight_layouts),
-        "lowering": dict(lowered.stats),
+        "weight_names": list(lowered.weight_names) if lowered else [],
+        "weight_layouts": list(lowered.weight_layouts) if lowered else [],
+        "lowering": dict(lowered.stats) if lowered else {},
         "precision": {
             "weights_and_activations": precision,
             "float32_ops": sorted(reduced.WIDE_OPS) if precision != "fp32" else [],
@@ -234,13 +258,35 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         },
         "opset": check.opset_of(proto),
         "load_options": {"cache_dir": opts.cache_dir, "precompile": opts.precompile},
+        "value_inputs": values.metadata(found, example, PROGRAM, WEIGHTS, MODEL),
     }
     # StableHLO is portable: XLA compiles for the loading host, so no ISA is required here.
     return BuildResult(
-        files=(PROGRAM, WEIGHTS),
+        files=tuple(files),
         metadata=metadata,
         target={"kind": "cuda" if platform == "cuda" else "cpu"},
     )
+
+
+def _candidates(
+    proto: Any,
+    layouts: list[str],
+    precision: str,
+    specs: list[TensorSpec],
+    dims: Any,
+    bounds: Any,
+    platform: str,
+    device: Any,
+) -> dict[str, tuple[Any, Any, Any]]:
+    """Per layout: the lowered model, its exported program and its weights on the device."""
+    from enginekit.backends.xla import lower, program
+
+    candidates: dict[str, tuple[Any, Any, Any]] = {}
+    for layout in layouts:
+        lowered = lower.lower(proto, layout, precision=precision)
+        exported = program.export(lowered.fn, lowered.weights, specs, dims, platform, bounds)
+        candidates[layout] = (lowered, exported, _put(lowered.weights, device))
+    return candidates
 
 
 def _layout_note(requested: str, has_convs: bool) -> str:
@@ -264,6 +310,7 @@ def _flag_sets(choice: Any, platform: str) -> dict[str, dict[str, Any]]:
 
 def _tune(
     model: Model,
+    specs: list[TensorSpec],
     config: BuildConfig,
     candidates: Mapping[str, tuple[Any, Any, Any]],
     flag_sets: Mapping[str, Mapping[str, Any]],
@@ -279,13 +326,13 @@ def _tune(
         layout = next(iter(candidates))
         return [{"layout": layout, "flags": next(iter(flag_sets)), "ms": None, "compile_s": None}]
     profile = config.profiles[0] if config.profiles else None
-    shapes = concrete_shapes(model.inputs, profile, "opt")
+    shapes = concrete_shapes(specs, profile, "opt")
     batched = all(s.shape and isinstance(s.shape[0], str) for s in model.inputs)
     if batched and opts.buckets == "pow2":
         cap = min(p[n].max[0] for p in config.profiles[:1] for n in p) if config.profiles else None
         shapes = {n: (bucket(s[0], cap), *s[1:]) for n, s in shapes.items()}
-    feeds = random_feeds(model.inputs, shapes, seed=config.seed)
-    arrays = [feeds[s.name] for s in model.inputs]
+    feeds = random_feeds(specs, shapes, seed=config.seed)
+    arrays = [feeds[s.name] for s in specs]
     programs = {
         layout: (exported, weights) for layout, (_, exported, weights) in candidates.items()
     }
@@ -386,7 +433,7 @@ def load(artifact: Artifact, device: str) -> Engine:
 
 
 def _load(artifact: Artifact, device: str) -> XlaEngine:
-    from enginekit.backends.xla import program
+    from enginekit.backends.xla import program, values
     from enginekit.backends.xla.runtime import XlaEngine
 
     _jax()  # BackendUnavailable, with what to install, before reading anything
@@ -400,17 +447,29 @@ def _load(artifact: Artifact, device: str) -> XlaEngine:
             f"{artifact.path}: built for {meta.get('platform')}, asked to load on {device}; "
             f"rebuild with --device {device}"
         )
-    exported = program.deserialize(artifact.read(PROGRAM))
     target = _device(device)
-    stored = _load_weights(artifact, list(meta["weight_names"]))
-    takes = [a.dtype for a in exported.in_avals[: len(stored)]]
-    weights = list(
-        _put([w.astype(t) if w.dtype != t else w for w, t in zip(stored, takes)], target)
+    specializer, build_values = values.load_specializer(
+        artifact, meta, lambda w: _put([w], target)[0]
     )
+    exported, weights = None, []
+    if PROGRAM in artifact.manifest.get("payload", {}):
+        exported = program.deserialize(artifact.read(PROGRAM))
+        stored = _load_weights(artifact, list(meta["weight_names"]))
+        takes = [a.dtype for a in exported.in_avals[: len(stored)]]
+        weights = list(
+            _put([w.astype(t) if w.dtype != t else w for w, t in zip(stored, takes)], target)
+        )
     if options.cache_dir:
         _use_cache_dir(options.cache_dir)
     engine = XlaEngine(
-        exported, weights, manifest, meta["compiler_options"], meta.get("buckets", "exact"), target
+        exported,
+        weights,
+        manifest,
+        meta["compiler_options"],
+        meta.get("buckets", "exact"),
+        target,
+        specializer,
+        build_values,
     )
     if options.precompile:
         engine.warm(_precompile_sizes(engine, options.precompile))
@@ -444,6 +503,7 @@ def inspect(artifact: Artifact, ir: bool = False) -> dict[str, Any]:
         "compiler_options": meta.get("compiler_options"),
         "buckets": meta.get("buckets"),
         "symbolic_dims": meta.get("symbolic_dims"),
+        "value_inputs": (meta.get("value_inputs") or {}).get("inputs"),
         "weights": len(meta.get("weight_names", [])),
         "lowering": meta.get("lowering"),
         "tuning": meta.get("tuning"),
@@ -465,9 +525,12 @@ def _inspect_ir(artifact: Artifact) -> dict[str, Any]:
     manifest = artifact.manifest
     engine = _load(artifact, manifest.get("config", {}).get("device", "cpu"))
     try:
+        if engine.exported is None:
+            return {"note": "no program was compiled at build (value inputs whose example "
+                    "values did not lower); each set of values compiles its own at first use"}  # fmt: skip
         profile = engine.profiles[0] if engine.profiles else None
         shapes = concrete_shapes(engine.inputs, profile, "opt")
-        compiled = engine.executable([shapes[s.name] for s in engine.inputs])
+        compiled = engine.executable([shapes[n] for n in engine.program_inputs])
         summary = program.hlo_summary(compiled)
         text = engine.exported.mlir_module()
         ops: dict[str, int] = {}
@@ -476,5 +539,20 @@ def _inspect_ir(artifact: Artifact) -> dict[str, Any]:
         summary["stablehlo_ops"] = dict(sorted(ops.items(), key=lambda kv: -kv[1]))
         summary["shapes"] = {n: list(s) for n, s in shapes.items()}
         return summary
+    finally:
+        engine.close()
+
+
+# -- profile -----------------------------------------------------------------------------------
+
+
+def profile(artifact: Artifact, feeds: dict[str, Any], runs: int, warmup: int) -> list[Any]:
+    """Per-HLO-op times from the JAX profiler's XLA thunk events, FLOPs from the optimized
+    HLO (:mod:`.profiler`)."""
+    from enginekit.backends.xla import profiler
+
+    engine = _load(artifact, "cpu")
+    try:
+        return profiler.profile(engine, feeds, runs, warmup)
     finally:
         engine.close()

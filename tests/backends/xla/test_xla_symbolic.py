@@ -187,12 +187,19 @@ def test_if_on_a_condition_computed_from_shapes_lowers_the_branch_taken(tmp_path
     )
 
 
-def test_if_on_a_condition_from_input_values_is_refused_naming_the_node(tmp_path):
+def test_if_on_a_condition_from_input_values_compiles_the_branch_each_value_takes(tmp_path):
+    """The condition is a value input (values.py): one program per condition value."""
     m = _if_graph([], [helper.make_tensor_value_info("cond", TensorProto.BOOL, [1])])
     path = tmp_path / "m.onnx"
     ek.Model.save(ek.load_model(m), path)
-    with pytest.raises(ek.BuildError, match=r"If.*condition is computed from the inputs"):
-        ek.build(path, backend="xla", shapes={"x": (2, 4), "cond": (1,)}, xla_flags="xla-default")
+    engine = ek.build(
+        path, backend="xla", shapes={"x": (2, 4), "cond": (1,)}, xla_flags="xla-default"
+    )
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    for cond in (True, False):
+        got = engine.infer({"x": x, "cond": np.array([cond])})["y"]
+        np.testing.assert_array_equal(got, x * 2 if cond else x + 2)
+    assert engine.value_inputs == ("cond",)
 
 
 def _resize_to_sizes_graph(mode: str):

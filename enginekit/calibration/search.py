@@ -1,0 +1,429 @@
+"""Accuracy-aware int8: the fastest Q/DQ plan that meets an accuracy target.
+
+``enginekit.build(..., precision="int8", calib_data=..., accuracy_target=AccuracyTarget(
+min_top1_agreement=0.97))`` runs :func:`search` instead of writing one Q/DQ model:
+
+1. candidate bases: the Q/DQ model from the table's ranges under each calibration method the
+   table can give (entropy, percentile, minmax: same histograms, no new pass over the data);
+   each is measured and the most accurate one is kept;
+2. sensitivity: each quantized layer is quantized *alone* (every other layer in float) and the
+   output error it causes is measured on held-out calibration rows. Measured alone, a layer's
+   own error shows even when many small errors add up (reverting one layer from a fully
+   quantized model hides it under the others' errors);
+3. plans: the ``k`` most sensitive layers kept in float, ``k`` = 0, 1, 2, 4, ... until the
+   target holds, then bisected down to the smallest passing ``k``; fastest plan first, since
+   every layer kept in float costs speed. Every plan tried is reported with its agreement,
+   errors and speed.
+
+Plans are measured on ONNX Runtime CPU (the reference runtime every host has); the build
+then verifies the chosen plan on its own backend against the same target. Layers kept in
+float run in the backend's float precision; :func:`fallback_precision` says whether that can
+be bf16 (a host with AVX512-BF16 or AMX and a backend that runs the float part of an int8
+model in bf16) and why not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+
+from enginekit import target as host_target
+from enginekit.calibration.fallback import keep_float, quantized_nodes
+from enginekit.calibration.table import CalibrationTable
+from enginekit.errors import BuildError, CalibrationError
+
+log = logging.getLogger(__name__)
+
+#: What layers kept out of int8 run in: ``float`` (the backend's float32), ``bf16`` (refused
+#: where the host or backend cannot), ``auto`` (bf16 where possible, else float).
+FALLBACKS = ("auto", "float", "bf16")
+#: Backends that run the float layers of an int8 model in bf16 when asked (none yet: OpenVINO
+#: compiles int8 models with an f32 inference precision; see docs/calibration.md).
+BF16_FALLBACK_BACKENDS: tuple[str, ...] = ()
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+#: Rows of held-out data the per-layer sensitivity runs on (each layer costs one run).
+SENSITIVITY_ROWS = 32
+TIMING_RUNS = 5
+
+Feeds = Mapping[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class AccuracyTarget:
+    """What an accuracy-aware int8 build must reach against the float32 model.
+
+    Attributes:
+        min_top1_agreement: lowest fraction (0 < t <= 1) of held-out rows whose top-1 class
+            matches float32 (classifier-shaped outputs).
+        max_abs_error: largest absolute output difference allowed.
+        fallback: what layers kept out of int8 run in: ``auto``, ``float`` or ``bf16``.
+        max_plans: most plans measured after the sensitivity pass.
+    """
+
+    min_top1_agreement: float | None = None
+    max_abs_error: float | None = None
+    fallback: str = "auto"
+    max_plans: int = 12
+
+    def __post_init__(self) -> None:
+        t, e = self.min_top1_agreement, self.max_abs_error
+        if t is None and e is None:
+            raise BuildError(
+                "AccuracyTarget needs min_top1_agreement (e.g. 0.97) or max_abs_error (e.g. 0.5)"
+            )
+        if t is not None and not (isinstance(t, (int, float)) and 0.0 < t <= 1.0):
+            raise BuildError(
+                f"AccuracyTarget min_top1_agreement={t!r}: expected a fraction in (0, 1], e.g. 0.97"
+            )
+        if e is not None and not (isinstance(e, (int, float)) and e >= 0):
+            raise BuildError(f"AccuracyTarget max_abs_error={e!r}: expected a number >= 0")
+        if self.fallback not in FALLBACKS:
+            close = difflib.get_close_matches(str(self.fallback), FALLBACKS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise BuildError(
+                f"AccuracyTarget fallback={self.fallback!r}: expected one of "
+                f"{', '.join(FALLBACKS)}{hint}"
+            )
+        if isinstance(self.max_plans, bool) or not isinstance(self.max_plans, int):
+            raise BuildError(f"AccuracyTarget max_plans={self.max_plans!r}: expected an integer")
+        if self.max_plans < 1:
+            raise BuildError(f"AccuracyTarget max_plans={self.max_plans}: expected >= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> AccuracyTarget:
+        """``top1=0.97``, ``max_abs=0.5``, a bare fraction (top-1 agreement), or several
+        ``key=value`` joined by commas (``top1=0.97,fallback=float``) — the CLI's form."""
+        keys = {"top1": "min_top1_agreement", "max_abs": "max_abs_error", "fallback": "fallback"}
+        values: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            if not sep:
+                key, value = "top1", key
+            key = key.strip()
+            if key not in keys:
+                close = difflib.get_close_matches(key, keys, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise BuildError(
+                    f"accuracy target {part!r}: key {key!r} is not one of "
+                    f"{', '.join(keys)}{hint} (e.g. 'top1=0.97')"
+                )
+            if key == "fallback":
+                values[keys[key]] = value.strip()
+                continue
+            try:
+                values[keys[key]] = float(value)
+            except ValueError:
+                raise BuildError(
+                    f"accuracy target {part!r}: {value!r} is not a number (e.g. 'top1=0.97')"
+                ) from None
+        return cls(**values)
+
+    def met(self, metrics: Mapping[str, Any]) -> bool:
+        """Whether measured ``metrics`` (see :func:`measure`) meet this target."""
+        t, e = self.min_top1_agreement, self.max_abs_error
+        if t is not None and (
+            metrics.get("top1_agreement") is None or metrics["top1_agreement"] < t
+        ):
+            return False
+        return e is None or metrics["max_abs"] <= e
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def fallback_precision(
+    target: AccuracyTarget, backend: str, flags: frozenset[str] | set[str] | None = None
+) -> tuple[str, str]:
+    """(``float`` or ``bf16``, why) for the layers kept out of int8.
+
+    Raises:
+        BuildError: ``fallback="bf16"`` where the host or the backend cannot run it.
+    """
+    flags = host_target.cpu_flags() if flags is None else flags
+    has = [f for f in _BF16_FLAGS if f in flags]
+    if not has:
+        why = f"this CPU has none of {', '.join(_BF16_FLAGS)} (no native bf16)"
+    elif backend not in BF16_FALLBACK_BACKENDS:
+        why = f"backend {backend!r} runs the float layers of an int8 model in float32"
+    else:
+        return "bf16", f"host has {', '.join(has)}; backend {backend!r} runs them in bf16"
+    if target.fallback == "bf16":
+        raise BuildError(
+            f"accuracy target fallback='bf16' refused: {why}. Use fallback='float' (or 'auto', "
+            "which picks bf16 only where it runs natively)"
+        )
+    return "float", why
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+def _session(proto: onnx.ModelProto, threads: int = 0) -> Any:
+    import onnxruntime as ort
+
+    from enginekit.model import ort_severity, quiet_onnxruntime
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    quiet_onnxruntime()
+    opts.log_severity_level = ort_severity()
+    return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def _run(session: Any, rows: Sequence[Feeds]) -> list[list[np.ndarray]]:
+    return [session.run(None, dict(feeds)) for feeds in rows]
+
+
+def measure(
+    outputs: Sequence[Sequence[np.ndarray]], reference: Sequence[Sequence[np.ndarray]]
+) -> dict[str, Any]:
+    """Errors of ``outputs`` against ``reference`` (lists of per-batch output lists):
+    max abs error, normalized MSE and, where outputs are ``[batch, classes]``, top-1
+    agreement (the lowest over such outputs)."""
+    max_abs, err, power = 0.0, 0.0, 0.0
+    agree: list[float] = []
+    for k in range(len(reference[0]) if reference else 0):
+        got = np.concatenate([np.asarray(b[k], np.float64).reshape(len(b[k]), -1) for b in outputs])
+        ref = np.concatenate(
+            [np.asarray(b[k], np.float64).reshape(len(b[k]), -1) for b in reference]
+        )
+        diff = np.nan_to_num(np.abs(got - ref), nan=np.inf)
+        max_abs = max(max_abs, float(diff.max()) if diff.size else 0.0)
+        err += float((diff**2).sum())
+        power += float((ref**2).sum())
+        if reference[0][k].ndim == 2 and reference[0][k].shape[1] >= 2:
+            agree.append(float((got.argmax(1) == ref.argmax(1)).mean()))
+    return {
+        "top1_agreement": min(agree) if agree else None,
+        "max_abs": max_abs,
+        "nmse": err / power if power else err,
+    }
+
+
+def _seconds(session: Any, feeds: Feeds, runs: int = TIMING_RUNS) -> float:
+    """Median wall time of one run on ``feeds`` (after one warm-up run)."""
+    session.run(None, dict(feeds))
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        session.run(None, dict(feeds))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One measured plan: a base (calibration method) and the layers kept in float."""
+
+    method: str
+    kept: tuple[str, ...]
+    metrics: Mapping[str, Any]
+    seconds: float
+    met: bool
+
+    def to_json(self, float_seconds: float) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "float_layers": len(self.kept),
+            "top1_agreement": self.metrics["top1_agreement"],
+            "max_abs": self.metrics["max_abs"],
+            "nmse": self.metrics["nmse"],
+            "seconds": self.seconds,
+            "speedup_vs_fp32": float_seconds / self.seconds if self.seconds else None,
+            "met": self.met,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """The chosen Q/DQ model and what the search measured (for the manifest)."""
+
+    model: onnx.ModelProto
+    chosen: Plan
+    plans: tuple[Plan, ...]
+    sensitivity: tuple[tuple[str, float], ...]
+    float_seconds: float
+    fallback: str
+    fallback_reason: str
+    rows: int
+
+    def manifest_entry(self, target: AccuracyTarget) -> dict[str, Any]:
+        """What the manifest records: the target, every plan tried, the layers kept in float
+        and why (each one's error when quantized alone, and its rank)."""
+        rank = {name: i for i, (name, _) in enumerate(self.sensitivity)}
+        error = dict(self.sensitivity)
+        return {
+            "target": target.to_json(),
+            "measured_on": f"ONNX Runtime CPU, {self.rows} held-out calibration rows",
+            "chosen": self.chosen.to_json(self.float_seconds),
+            "float_seconds": self.float_seconds,
+            "fallback_precision": self.fallback,
+            "fallback_reason": self.fallback_reason,
+            "kept_in_float": [
+                {
+                    "layer": name,
+                    "why": (
+                        f"sensitivity rank {rank[name] + 1} of {len(rank)}: quantized alone it "
+                        f"gives an output NMSE of {error[name]:.3g}"
+                    ),
+                }
+                for name in self.chosen.kept
+            ],
+            "plans": [p.to_json(self.float_seconds) for p in self.plans],
+        }
+
+
+def search(
+    source: onnx.ModelProto,
+    table: CalibrationTable,
+    rows: Sequence[Feeds],
+    target: AccuracyTarget,
+    write: Callable[[CalibrationTable], onnx.ModelProto],
+    fallback: tuple[str, str] = ("float", "float32"),
+) -> SearchResult:
+    """The fastest plan meeting ``target`` on ``rows`` (held-out batches), see module doc.
+
+    Args:
+        source: the float model.
+        table: its calibration table.
+        rows: held-out batches (never seen by calibration).
+        target: what to reach.
+        write: table -> Q/DQ model (:func:`~enginekit.calibration.writers.write_qdq` with the
+            backend's options).
+        fallback: (precision, why) of the layers kept in float, for the report.
+
+    Raises:
+        CalibrationError: no held-out rows.
+    """
+    if not rows:
+        raise CalibrationError(
+            "accuracy_target needs held-out data to measure plans on: pass calib_data= (every "
+            "10th sample is held out) or verify_data=; a calibration table alone has no rows"
+        )
+    reference_session = _session(source)
+    reference = _run(reference_session, rows)
+    timing = rows[0]
+    float_seconds = _seconds(reference_session, timing)
+    plans: list[Plan] = []
+
+    def evaluate(method: str, proto: onnx.ModelProto, kept: Sequence[str]) -> Plan:
+        session = _session(proto)
+        metrics = measure(_run(session, rows), reference)
+        plan = Plan(method, tuple(kept), metrics, _seconds(session, timing), target.met(metrics))
+        plans.append(plan)
+        log.info(
+            "plan %s, %d layers in float: %s, %.2fx fp32",
+            method, len(kept), metrics, float_seconds / plan.seconds,
+        )  # fmt: skip
+        return plan
+
+    bases: dict[str, onnx.ModelProto] = {}
+    for method in _methods(table):
+        bases[method] = write(table if method == table.method else table.with_method(method))
+        evaluate(method, bases[method], ())
+    best = max(plans, key=lambda p: (p.met, _score(p), -p.seconds))
+    base, method = bases[best.method], best.method
+    layers = quantized_nodes(base)
+    sensitivity: list[tuple[str, float]] = []
+    chosen = best if best.met else None
+    if chosen is None and layers:
+        sensitivity = _sensitivity(source, base, layers, rows)
+        chosen = _fallback_search(
+            source, base, method, [n for n, _ in sensitivity], target, evaluate
+        )
+    if chosen is None:  # nothing to keep in float: report the best measured
+        chosen = best
+    # Fewest layers in float is the fastest plan (timings of plans with the same int8 layers
+    # differ by noise only); among those, the most accurate.
+    fastest = min(
+        (p for p in plans if p.met),
+        key=lambda p: (len(p.kept), -_score(p)[0], -_score(p)[1]),
+        default=chosen,
+    )
+    model = bases[fastest.method] if not fastest.kept else keep_float(base, source, fastest.kept)
+    return SearchResult(
+        model, fastest, tuple(plans), tuple(sensitivity), float_seconds, *fallback,
+        sum(_rows(f) for f in rows),
+    )  # fmt: skip
+
+
+def _methods(table: CalibrationTable) -> list[str]:
+    """The table's method first, then the others its histograms can give."""
+    if any(r.histogram is None for r in table.tensors.values()):
+        return [table.method]
+    return [table.method, *(m for m in ("percentile", "entropy", "minmax") if m != table.method)]
+
+
+def _score(plan: Plan) -> tuple[float, float]:
+    agree = plan.metrics["top1_agreement"]
+    return (agree if agree is not None else 0.0, -plan.metrics["nmse"])
+
+
+def _rows(feeds: Feeds) -> int:
+    first = next(iter(feeds.values()))
+    return int(first.shape[0]) if first.ndim else 1
+
+
+def _sensitivity(
+    source: onnx.ModelProto,
+    base: onnx.ModelProto,
+    layers: Sequence[str],
+    rows: Sequence[Feeds],
+) -> list[tuple[str, float]]:
+    """Each layer's output NMSE when it alone is quantized, most sensitive first."""
+    sample, count = [], 0
+    for feeds in rows:  # whole batches (a fixed-batch model takes no other size)
+        if count >= SENSITIVITY_ROWS:
+            break
+        sample.append(feeds)
+        count += _rows(feeds)
+    reference = _run(_session(source), sample)
+    out = []
+    for name in layers:
+        alone = keep_float(base, source, [n for n in layers if n != name])
+        out.append((name, measure(_run(_session(alone), sample), reference)["nmse"]))
+    return sorted(out, key=lambda item: -item[1])
+
+
+def _fallback_search(
+    source: onnx.ModelProto,
+    base: onnx.ModelProto,
+    method: str,
+    order: Sequence[str],
+    target: AccuracyTarget,
+    evaluate: Callable[[str, onnx.ModelProto, Sequence[str]], Plan],
+) -> Plan | None:
+    """Keep the ``k`` most sensitive layers in float, ``k`` doubling until the target holds,
+    then bisect down to the smallest passing ``k`` (within ``target.max_plans``)."""
+    budget = target.max_plans
+    fail, passed = 0, None
+    k = 1
+    while budget and k <= len(order):
+        plan = evaluate(method, keep_float(base, source, order[:k]), order[:k])
+        budget -= 1
+        if plan.met:
+            passed = plan
+            break
+        fail = k
+        k = len(order) if k == len(order) else min(2 * k, len(order))
+        if k == fail:
+            break
+    if passed is None:
+        return None
+    hi = len(passed.kept)
+    while budget and hi - fail > 1:
+        mid = (fail + hi) // 2
+        plan = evaluate(method, keep_float(base, source, order[:mid]), order[:mid])
+        budget -= 1
+        if plan.met:
+            passed, hi = plan, mid
+        else:
+            fail = mid
+    return passed

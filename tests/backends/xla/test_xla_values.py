@@ -1,0 +1,201 @@
+"""Value inputs: graph inputs whose values decide shapes get programs specialized to them.
+
+Without values.py each of these models is refused at build ("Reshape's shape must be known
+when the model is built"); ONNX's own test cases feed Reshape/Expand/Tile/Range/Resize/TopK/
+Slice operands as graph inputs like this.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax", reason="the XLA backend needs jax")
+
+import xla_graphs as graphs
+from conftest import reference
+from onnx import TensorProto, helper
+
+import enginekit as ek
+from enginekit.artifact import open_artifact
+from enginekit.backends.xla import values
+from enginekit.errors import BuildError, EngineInputError
+
+
+def _reshape_model():
+    return graphs.reshape_by_input()
+
+
+def _range_model():
+    """y = Range(0, limit, 1) * scale, limit an int64 scalar input; plus x passed through."""
+    nodes = [
+        helper.make_node("Range", ["zero", "limit", "one"], ["r"]),
+        helper.make_node("Cast", ["r"], ["rf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["rf", "x"], ["y"]),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [1]),
+        helper.make_tensor_value_info("limit", TensorProto.INT64, []),
+    ]
+    inits = [
+        helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+        helper.make_tensor("one", TensorProto.INT64, [], [1]),
+    ]
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    return graphs.model(nodes, inputs, [y], inits)
+
+
+def test_find_names_inputs_whose_values_reach_a_shape_operand():
+    assert values.find(_reshape_model()) == {"shape": "by_input (Reshape) input 1"}
+    assert set(values.find(_range_model())) == {"limit"}
+
+
+def test_find_ignores_inputs_that_only_reach_shapes_through_shape_ops():
+    """Token ids -> Gather -> Reshape(y, Shape(y)): the ids' values never decide a shape."""
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["e"]),
+        helper.make_node("Shape", ["e"], ["s"]),
+        helper.make_node("Reshape", ["e", "s"], ["y"]),
+    ]
+    table = helper.make_tensor("table", TensorProto.FLOAT, [4, 2], [0.0] * 8)
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    assert values.find(graphs.model(nodes, [ids], [y], [table])) == {}
+
+
+def test_find_follows_shape_of_a_value_sized_tensor():
+    """Shape(Range(0, n)) depends on n's value: a Reshape by it makes n a value input."""
+    nodes = [
+        helper.make_node("Range", ["zero", "n", "one"], ["r"]),
+        helper.make_node("Shape", ["r"], ["s"]),
+        helper.make_node("Reshape", ["x", "s"], ["y"]),
+    ]
+    inits = [
+        helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+        helper.make_tensor("one", TensorProto.INT64, [], [1]),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [4]),
+        helper.make_tensor_value_info("n", TensorProto.INT64, []),
+    ]
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    assert set(values.find(graphs.model(nodes, inputs, [y], inits))) == {"n"}
+
+
+def test_reshape_by_an_input_builds_and_compiles_one_program_per_set_of_values(tmp_path):
+    path = tmp_path / "m.onnx"
+    ek.Model.save(ek.load_model(_reshape_model()), path)
+    out = tmp_path / "m.ekit"
+    shapes = {"x": (2, 6), "shape": (2,)}
+    ek.build(path, backend="xla", shapes=shapes, output=out, simplify=False).close()
+    artifact = open_artifact(out)
+    meta = artifact.manifest["backend"]["metadata"]
+    assert meta["value_inputs"]["inputs"] == {"shape": "by_input (Reshape) input 1"}
+    (stored,) = meta["value_inputs"]["programs"]
+    assert values.from_json(stored["values"])["shape"].tolist() == [2, 6]
+    assert "model.onnx" in artifact.manifest["payload"]
+
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    with ek.load(out) as engine:
+        assert engine.value_inputs == ("shape",)
+        for target in ([3, 4], [4, 3], [2, 6], [3, 4], [-1, 2]):
+            feeds = {"x": x, "shape": np.array(target, np.int64)}
+            got = engine.infer(feeds)["y"]
+            np.testing.assert_array_equal(got, reference(path, feeds)["y"])
+        # [2, 6] is the build's program; [3, 4] came back from the cache.
+        assert sorted(engine.programs) == [
+            "shape=[-1, 2]: 2x6",
+            "shape=[2, 6]: 2x6",
+            "shape=[3, 4]: 2x6",
+            "shape=[4, 3]: 2x6",
+        ]
+        with pytest.raises(EngineInputError, match=r"shape=\[5, 5\] does not compile"):
+            engine.infer({"x": x, "shape": np.array([5, 5], np.int64)})
+
+
+def test_range_with_an_input_limit_matches_onnxruntime(tmp_path):
+    path = tmp_path / "r.onnx"
+    ek.Model.save(ek.load_model(_range_model()), path)
+    engine = ek.build(path, backend="xla", simplify=False)
+    for limit in (3, 7, 1):
+        feeds = {"x": np.array([0.5], np.float32), "limit": np.array(limit, np.int64)}
+        np.testing.assert_array_equal(engine.infer(feeds)["y"], reference(path, feeds)["y"])
+    assert engine.manifest["verify"]["passed"]
+    engine.close()
+
+
+def test_concurrent_first_calls_with_new_values_compile_once(tmp_path):
+    path = tmp_path / "m.onnx"
+    ek.Model.save(ek.load_model(_reshape_model()), path)
+    engine = ek.build(
+        path, backend="xla", shapes={"x": (2, 6), "shape": (2,)}, simplify=False, verify=False
+    )
+    feeds = {"x": np.ones((2, 6), np.float32), "shape": np.array([6, 2], np.int64)}
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            assert engine.infer(feeds)["y"].shape == (6, 2)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert [k for k in engine.programs if k.startswith("shape=[6, 2]")] == ["shape=[6, 2]: 2x6"]
+    engine.close()
+
+
+def test_program_cache_drops_the_least_recently_used():
+    cache: values.ProgramCache[str] = values.ProgramCache(size=2)
+    made: list[str] = []
+
+    def make(name: str):
+        return lambda: made.append(name) or name
+
+    keys = {n: values.key({"v": np.array([i])}) for i, n in enumerate("abc")}
+    assert cache.get(keys["a"], make("a")) == "a"
+    cache.get(keys["b"], make("b"))
+    cache.get(keys["a"], make("a"))  # a is now the most recent
+    cache.get(keys["c"], make("c"))  # evicts b
+    cache.get(keys["a"], make("a"))
+    cache.get(keys["b"], make("b"))
+    assert made == ["a", "b", "c", "b"]
+    assert len(cache) == 2
+
+
+def test_key_tells_dtypes_and_shapes_apart():
+    k = values.key
+    assert k({"v": np.array([1, 2], np.int64)}) != k({"v": np.array([1, 2], np.int32)})
+    assert k({"v": np.array([1, 2])}) != k({"v": np.array([[1, 2]])})
+    assert k({"v": np.array([1, 2])}) == k({"v": np.array([1, 2])})
+
+
+def test_a_large_value_input_is_refused_with_its_size():
+    with pytest.raises(BuildError, match=r"'shape' feeds by_input \(Reshape\).*up to 2048"):
+        values.check_sizes({"shape": "by_input (Reshape) input 1"}, {"shape": 2048})
+
+
+def test_example_values_that_do_not_lower_leave_compiling_to_first_use(tmp_path, monkeypatch):
+    """Generated example values the model rejects: the build keeps no program, verification on
+    verify_data compiles the one it needs."""
+    path = tmp_path / "m.onnx"
+    ek.Model.save(ek.load_model(_reshape_model()), path)
+    monkeypatch.setattr(values, "example_values", lambda *a: {"shape": np.array([5, 5])})
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    data = {"x": x, "shape": np.array([4, 3], np.int64)}
+    out = tmp_path / "m.ekit"
+    ek.build(path, backend="xla", shapes={"x": (2, 6)}, simplify=False, verify_data=data,
+             output=out).close()  # fmt: skip
+    meta = open_artifact(out).manifest["backend"]["metadata"]
+    assert meta["value_inputs"]["programs"] == []
+    assert "model.stablehlo" not in open_artifact(out).manifest["payload"]
+    with ek.load(out) as engine:
+        assert engine.exported is None
+        got = engine.infer({"x": x, "shape": np.array([3, 4], np.int64)})["y"]
+        np.testing.assert_array_equal(got, x.reshape(3, 4))

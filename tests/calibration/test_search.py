@@ -1,0 +1,169 @@
+"""Accuracy-aware int8 (enginekit/calibration/search.py): the search keeps the sensitive layer
+in float to meet the target, records why, and refuses bad targets with typed errors."""
+
+from __future__ import annotations
+
+import calib_models
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import enginekit as ek
+from enginekit.calibration.search import AccuracyTarget, fallback_precision, measure
+from enginekit.errors import BuildError, CalibrationError
+
+CLASSES = 6
+SHAPES = {"x": [(1, 8), (16, 8), (64, 8)]}
+
+
+def outlier_mlp() -> onnx.ModelProto:
+    """x[batch,8] -> fc1 -> h[batch,8] -> fc2 -> logits[batch,6]. One channel of ``h`` is
+    1000x the others and fc2 ignores it: a per-tensor int8 range for ``h`` (fc2's input)
+    rounds the channels that matter to a few levels, while fc1 quantizes well. The search must
+    keep fc2, and only fc2, in float."""
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((8, 8)).astype(np.float32)
+    w1[:, 7] *= 1000.0
+    w2 = rng.standard_normal((8, CLASSES)).astype(np.float32)
+    w2[7, :] = 0.0
+    inits = [
+        numpy_helper.from_array(w1, "w1"),
+        numpy_helper.from_array(np.zeros(8, np.float32), "b1"),
+        numpy_helper.from_array(w2, "w2"),
+        numpy_helper.from_array(np.zeros(CLASSES, np.float32), "b2"),
+    ]
+    nodes = [
+        helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1"),
+        helper.make_node("Gemm", ["h", "w2", "b2"], ["logits"], name="fc2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "outlier_mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", CLASSES])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.fixture(scope="module")
+def data() -> np.ndarray:
+    return np.random.default_rng(1).standard_normal((300, 8)).astype(np.float32)
+
+
+def _build(model, data, **kwargs):
+    return ek.build(model, precision="int8", shapes=SHAPES, calib_data=data, **kwargs)
+
+
+def test_search_keeps_the_sensitive_layer_in_float_to_meet_the_target(data):
+    target = AccuracyTarget(min_top1_agreement=0.97)
+    engine = _build(outlier_mlp(), data, accuracy_target=target)
+    found = engine.manifest["calibration"]["accuracy_search"]
+    assert [k["layer"] for k in found["kept_in_float"]] == ["fc2"]
+    assert "sensitivity rank 1 of 2" in found["kept_in_float"][0]["why"]
+    plans = found["plans"]
+    # every plain int8 plan (one per calibration method) misses; the chosen one is reported
+    assert [p["float_layers"] for p in plans[:-1]] == [0] * (len(plans) - 1)
+    assert not any(p["met"] for p in plans[:-1])
+    assert plans[-1]["met"] and plans[-1]["float_layers"] == 1
+    assert all(p["speedup_vs_fp32"] > 0 for p in plans)
+    assert found["chosen"]["float_layers"] == 1
+    # the target is also the build's gate, checked on the engine itself
+    verify = engine.manifest["verify"]
+    assert verify["gates"]["min_top1_agreement"] == 0.97
+    assert verify["outputs"]["logits"]["top1_agreement"] >= 0.97
+
+
+def test_plain_int8_meeting_the_target_keeps_no_layer_in_float(data):
+    engine = _build(outlier_mlp(), data, accuracy_target=AccuracyTarget(max_abs_error=1e9))
+    found = engine.manifest["calibration"]["accuracy_search"]
+    assert found["kept_in_float"] == [] and found["chosen"]["float_layers"] == 0
+
+
+def test_the_int8_layers_left_run_integer_kernels(data):
+    engine = _build(outlier_mlp(), data, accuracy_target=AccuracyTarget(min_top1_agreement=0.97))
+    payload = engine.artifact.path / "payload"
+    model = onnx.load(str(next(payload.rglob("*.onnx"))))
+    maker = {o: n.op_type for n in model.graph.node for o in n.output}
+    assert maker["h"] == "QGemm"  # fc1: ONNX Runtime's integer Gemm
+    assert maker["logits"] == "Gemm"  # fc2: kept in float
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({}, "needs min_top1_agreement"),
+        ({"min_top1_agreement": 1.5}, r"expected a fraction in \(0, 1\]"),
+        ({"min_top1_agreement": 0.0}, r"expected a fraction in \(0, 1\]"),
+        ({"max_abs_error": -1.0}, "expected a number >= 0"),
+        ({"min_top1_agreement": 0.9, "fallback": "bf61"}, "did you mean 'bf16'"),
+        ({"min_top1_agreement": 0.9, "max_plans": 0}, "expected >= 1"),
+    ],
+)
+def test_bad_targets_are_refused_with_what_was_expected(kwargs, match):
+    with pytest.raises(BuildError, match=match):
+        AccuracyTarget(**kwargs)
+
+
+def test_cli_form_of_the_target_parses_and_names_a_bad_key():
+    assert AccuracyTarget.parse("top1=0.97") == AccuracyTarget(min_top1_agreement=0.97)
+    assert AccuracyTarget.parse("0.95,fallback=float") == AccuracyTarget(
+        min_top1_agreement=0.95, fallback="float"
+    )
+    assert AccuracyTarget.parse("max_abs=0.5").max_abs_error == 0.5
+    with pytest.raises(BuildError, match="did you mean 'top1'"):
+        AccuracyTarget.parse("top=0.97")
+    with pytest.raises(BuildError, match="is not a number"):
+        AccuracyTarget.parse("top1=high")
+
+
+def test_a_target_without_held_out_rows_is_refused(data):
+    table = ek.calibrate(outlier_mlp(), data)
+    target = AccuracyTarget(min_top1_agreement=0.97)
+    with pytest.raises(CalibrationError, match="needs held-out rows"):
+        ek.build(outlier_mlp(), precision="int8", shapes=SHAPES, calibration=table,
+                 accuracy_target=target)  # fmt: skip
+
+
+def test_a_target_is_for_int8_builds_only(data):
+    with pytest.raises(BuildError, match="accuracy_target: for precision='int8'"):
+        ek.build(outlier_mlp(), shapes=SHAPES, accuracy_target=AccuracyTarget(0.9))
+
+
+def test_bf16_fallback_is_refused_without_native_bf16_and_auto_falls_back_to_float():
+    with pytest.raises(BuildError, match="fallback='bf16' refused: this CPU has none of"):
+        fallback_precision(AccuracyTarget(0.9, fallback="bf16"), "openvino", flags=set())
+    precision, why = fallback_precision(AccuracyTarget(0.9), "openvino", flags=set())
+    assert precision == "float" and "no native bf16" in why
+    precision, why = fallback_precision(AccuracyTarget(0.9), "onnxruntime", flags={"avx512_bf16"})
+    assert precision == "float" and "runs the float layers of an int8 model in float32" in why
+
+
+def test_measure_reports_the_lowest_top1_agreement_and_normalized_error():
+    ref = [[np.array([[1.0, 0.0], [0.0, 1.0]])]]
+    got = [[np.array([[1.0, 0.0], [1.0, 0.5]])]]
+    m = measure(got, ref)
+    assert m["top1_agreement"] == 0.5 and m["max_abs"] == 1.0
+    assert m["nmse"] == pytest.approx(1.25 / 2.0)
+
+
+def test_cli_accuracy_target_flag_builds_and_prints_every_plan(data, tmp_path, capsys):
+    from enginekit.cli import main
+
+    model, npy = tmp_path / "mlp.onnx", tmp_path / "calib.npy"
+    onnx.save_model(outlier_mlp(), str(model))
+    np.save(npy, data)
+    code = main([
+        "build", str(model), "--precision", "int8", "--shapes", "x:1x8,16x8,64x8",
+        "--calib-data", str(npy), "--accuracy-target", "top1=0.97", "-o", str(tmp_path / "e.ekit"),
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "every plan tried" in out and "kept in float" in out and "fc2" in out
+
+
+# Fixtures re-exported for the tiny-CNN check below (see calib_models).
+tiny_cnn_path = calib_models.tiny_cnn_path
