@@ -235,7 +235,7 @@ def reason(error: str) -> str:
     text = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", error)
     text = re.sub(r"node \S+ \((\w+)\)", r"node … (\1)", text)
     text = re.sub(r"\(\d[\d, ]*\)|\[\d[\d, ]*\]", "(…)", text)
-    text = re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "N", text)
+    text = re.sub(r"(?<![\w.])-?\d+(\.\d+)?(e[-+]?\d+)?(?![\w])", "N", text)
     return text[:160]
 
 

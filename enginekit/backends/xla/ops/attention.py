@@ -69,6 +69,11 @@ def Attention(
     if (past_key is None) != (past_value is None):
         raise OpError("Attention needs past_key and past_value together, or neither")
     q, k, v = to_jax(Q), to_jax(K), to_jax(V)
+    out_dtype = q.dtype
+    if out_dtype in (jnp.float16, jnp.bfloat16):
+        # Half-precision attention computes in float32 and rounds once at the end, as ONNX
+        # Runtime's CPU kernel does: per-op half rounding drifts past verification.
+        q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
     dtype = q.dtype
     three_d = q.ndim == 3
     if three_d:
@@ -80,7 +85,7 @@ def Attention(
     if past_key is not None:
         k = jnp.concatenate([to_jax(past_key), k], axis=2)
         v = jnp.concatenate([to_jax(past_value), v], axis=2)
-    present_key, present_value = k, v
+    present_key, present_value = k.astype(out_dtype), v.astype(out_dtype)
     q_len, kv_len = q.shape[2], k.shape[2]
     bias: Any = jnp.zeros((q_len, kv_len), dtype)
     mask = None if attn_mask is None else to_jax(attn_mask)
@@ -138,7 +143,7 @@ def Attention(
     if three_d:
         y = jnp.transpose(y, (0, 2, 1, 3))
         y = jnp.reshape(y, (y.shape[0], y.shape[1], -1))
-    return y, present_key, present_value, exposed.astype(dtype)
+    return y.astype(out_dtype), present_key, present_value, exposed.astype(out_dtype)
 
 
 def RotaryEmbedding(

@@ -178,7 +178,7 @@ def QLinearMatMul(
     )
     # The combined scale is formed in the scales' own type, as the reference does.
     ratio = to_jax(a_scale) * to_jax(b_scale) / to_jax(y_scale)
-    wide = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    wide = jnp.result_type(float)  # float64 where x64 is on (the lowering turns it on)
     out = product.astype(wide) * ratio.astype(wide)
     out_type = (y_zero_point if y_zero_point is not None else a).dtype
     if y_zero_point is not None:

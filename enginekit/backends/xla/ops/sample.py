@@ -123,8 +123,8 @@ def AffineGrid(theta: Any, size: Any, align_corners: int = 0) -> Any:
             step = (np.arange(d) * 2.0 + 1.0) / d - 1.0
         axes.append(step)
     mesh = np.meshgrid(*axes[::-1], indexing="ij")  # each [*spatial]
-    base = np.stack([m for m in mesh[::-1]] + [np.ones_like(mesh[0])], axis=-1)
-    base = jnp.asarray(base.reshape(-1, len(spatial) + 1), t.dtype)
+    points = np.stack([m for m in mesh[::-1]] + [np.ones_like(mesh[0])], axis=-1)
+    base = jnp.asarray(points.reshape(-1, len(spatial) + 1), t.dtype)
     out = jnp.einsum("pk,njk->npj", base, t)
     return jnp.reshape(out, (dims[0], *spatial, len(spatial)))
 
