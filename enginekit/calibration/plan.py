@@ -200,8 +200,9 @@ def _search(
     with step(f"searching int8 plans for {target}"):
         result = search(model.proto, table, rows, target, write, fallback, runner, runs_on)
     entry = {**entry, "accuracy_search": result.manifest_entry(target)}
-    if result.chosen.method != table.method:
-        entry["method"] = result.chosen.method
+    method, _, corrected = result.chosen.method.partition("+")
+    entry["method"] = method
+    entry["bias_correction"] = bool(corrected)
     return Quantized(load_model(result.model), table, held, entry)
 
 
