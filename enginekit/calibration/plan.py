@@ -12,6 +12,9 @@ Backend convention (no registry change needed):
   it the portable ``tensorrt`` style is used. A model that already carries Q/DQ nodes
   (quantization-aware training) is handed over as it is.
 - fp16/bf16 models are the backend's to make (``enginekit.calibration.convert`` has both).
+- With an accuracy target (:mod:`enginekit.calibration.search`) the plans are measured on
+  ONNX Runtime CPU, unless the backend defines ``plan_runner(config) -> Runner`` (a function
+  from a Q/DQ ModelProto to a callable running feeds): then on its own int8 kernels.
 """
 
 from __future__ import annotations
@@ -200,8 +203,9 @@ def _search(
     with step(f"searching int8 plans for {target}"):
         result = search(model.proto, table, rows, target, write, fallback, runner, runs_on)
     entry = {**entry, "accuracy_search": result.manifest_entry(target)}
-    if result.chosen.method != table.method:
-        entry["method"] = result.chosen.method
+    method, _, corrected = result.chosen.method.partition("+")
+    entry["method"] = method
+    entry["bias_correction"] = bool(corrected)
     return Quantized(load_model(result.model), table, held, entry)
 
 

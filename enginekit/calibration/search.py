@@ -5,7 +5,8 @@ min_top1_agreement=0.97))`` runs :func:`search` instead of writing one Q/DQ mode
 
 1. candidate bases: the Q/DQ model from the table's ranges under each calibration method the
    table can give (entropy, percentile, minmax: same histograms, no new pass over the data);
-   each is measured and the most accurate one is kept;
+   each is measured and the most accurate one is kept, then the same with its biases corrected
+   (:mod:`enginekit.calibration.bias`), kept if it measures better;
 2. sensitivity: each quantized layer is quantized *alone* (every other layer in float) and the
    output error it causes is measured on held-out calibration rows. Measured alone, a layer's
    own error shows even when many small errors add up (reverting one layer from a fully
@@ -35,6 +36,7 @@ import numpy as np
 import onnx
 
 from enginekit import target as host_target
+from enginekit.calibration.bias import correct_bias
 from enginekit.calibration.fallback import keep_float, quantized_nodes
 from enginekit.calibration.table import CalibrationTable
 from enginekit.errors import BuildError, CalibrationError
@@ -345,6 +347,13 @@ def search(
         bases[method] = write(table if method == table.method else table.with_method(method))
         evaluate(method, bases[method], ())
     best = max(plans, key=lambda p: (p.met, _score(p), -p.seconds))
+    if not best.met:  # bias correction of the best base, kept when it measures better
+        corrected, fixed = correct_bias(bases[best.method], source, rows)
+        if fixed:
+            label = f"{best.method}+bias"
+            bases[label] = corrected
+            plan = evaluate(label, corrected, ())
+            best = max((best, plan), key=lambda p: (p.met, _score(p)))
     base, method = bases[best.method], best.method
     layers = quantized_nodes(base)
     sensitivity: list[tuple[str, float]] = []
