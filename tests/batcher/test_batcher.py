@@ -281,3 +281,17 @@ def test_the_next_full_batch_is_collated_while_the_engine_runs():
             release.set()
         got = np.stack([f.result(timeout=10)["y"] for f in futures])
     np.testing.assert_array_equal(got, x)  # in order, nothing overwritten
+
+
+def test_a_dict_sample_seen_before_skips_checks_but_not_validation(two):
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(8).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    want = {k: v[0] for k, v in two.infer({"a": a[None], "b": b[None]}).items()}
+    with ek.Batcher(two, max_delay_ms=1.0) as batcher:
+        for _ in range(2):  # the second goes through the cached signature
+            close_to(batcher.infer({"a": a, "b": b}), want)
+        with pytest.raises(ek.EngineInputError, match="dtype float32, got float64"):
+            batcher.submit({"a": a.astype(np.float64), "b": b})
+        with pytest.raises(ek.EngineInputError, match="missing input 'b'"):
+            batcher.submit({"a": a, "c": b})
