@@ -22,8 +22,15 @@ from typing import Any
 
 import numpy as np
 
+from enginekit.batcher.defaults import (
+    DEFAULT_MAX_BATCH,
+    engine_max_batch,
+    positive,
+    preferred_for,
+    run_warmup,
+)
 from enginekit.batcher.metrics import Metrics, prometheus, snapshot
-from enginekit.batcher.policy import ArrivalRate, CostModel, decide, pow2_sizes, take_size
+from enginekit.batcher.policy import ArrivalRate, CostModel, decide, take_size
 from enginekit.batcher.queue import WaitQueue
 from enginekit.batcher.request import Key, Layout, Request
 from enginekit.engine import Engine
@@ -41,22 +48,6 @@ log = logging.getLogger(__name__)
 Prepared = tuple[list[Request], "dict[str, np.ndarray] | BaseException", int, dict[Any, np.ndarray]]
 # What a worker runs next: taken requests or a prepared batch, and requests that expired.
 Taken = tuple["list[Request] | None", list[Request], "Prepared | None"]
-_DEFAULT_MAX_BATCH = 32  # for engines built without profiles (any batch size)
-
-
-def _engine_max_batch(engine: Engine) -> int | None:
-    names = [s.name for s in engine.inputs]
-    if not engine.profiles or not all(n in p for p in engine.profiles for n in names):
-        return None
-    return max(min(p[n].max[0] for n in names) for p in engine.profiles)
-
-
-def _default_preferred(engine: Engine, max_batch: int) -> tuple[int, ...]:
-    """Batch sizes the engine runs without padding waste, where it pads others (XLA buckets)."""
-    backend = engine.manifest.get("backend", {})
-    if backend.get("name") == "xla" and backend.get("metadata", {}).get("buckets") == "pow2":
-        return pow2_sizes(max_batch)
-    return ()
 
 
 class Batcher:
@@ -105,16 +96,15 @@ class Batcher:
     ) -> None:
         self.engine = engine
         self._layout = Layout(engine, pad_values, seq_buckets)
-        limit = _engine_max_batch(engine)
         if max_batch_size is None:
-            max_batch_size = limit or _DEFAULT_MAX_BATCH
-        _positive("max_batch_size", max_batch_size, integer=True)
-        _positive("max_queue", max_queue, integer=True)
-        _positive("workers", workers, integer=True)
+            max_batch_size = engine_max_batch(engine) or DEFAULT_MAX_BATCH
+        positive("max_batch_size", max_batch_size, integer=True)
+        positive("max_queue", max_queue, integer=True)
+        positive("workers", workers, integer=True)
         if max_delay_ms < 0:
             raise UsageError(f"max_delay_ms={max_delay_ms}: expected >= 0 (0 sends at once)")
         if timeout_ms is not None:
-            _positive("timeout_ms", timeout_ms)
+            positive("timeout_ms", timeout_ms)
         self.max_batch_size = int(max_batch_size)
         self.max_delay = max_delay_ms / 1e3
         self.max_queue = int(max_queue)
@@ -122,20 +112,7 @@ class Batcher:
         self.starve = (
             starvation_ms / 1e3 if starvation_ms is not None else max(10 * self.max_delay, 0.05)
         )
-        if isinstance(preferred_sizes, str):
-            if preferred_sizes != "auto":
-                raise UsageError(
-                    f"preferred_sizes={preferred_sizes!r}: expected 'auto' or a list of sizes"
-                )
-            preferred: tuple[int, ...] = _default_preferred(engine, self.max_batch_size)
-        else:
-            preferred = tuple(sorted({int(p) for p in preferred_sizes}))
-            bad = [p for p in preferred if not 1 <= p <= self.max_batch_size]
-            if bad:
-                raise UsageError(
-                    f"preferred_sizes {bad}: each must lie in 1..max_batch_size "
-                    f"({self.max_batch_size})"
-                )
+        preferred = preferred_for(engine, preferred_sizes, self.max_batch_size)
         self.preferred = preferred
         self.name = name
         self._cost = CostModel()
@@ -157,7 +134,8 @@ class Batcher:
         self._preparing = False
         self._buffer_sets: list[dict[Any, np.ndarray]] = []  # collation arrays not in use
         if warmup:
-            self._warmup()
+            for rows, seconds in run_warmup(engine, self.max_batch_size):
+                self._cost.observe(rows, seconds)
         self._threads = [
             threading.Thread(target=self._work, name=f"batcher-{name}-worker{i}", daemon=True)
             for i in range(self._workers)
@@ -398,6 +376,7 @@ class Batcher:
             self._preparing = False
             if live:
                 self._prepared = (live, feeds, rows, buffers)
+                self._metrics.prepared += 1
             else:
                 self._buffer_sets.append(buffers)
             self._cv.notify_all()
@@ -552,29 +531,3 @@ class Batcher:
                         "allow a longer timeout_ms"
                     )
                 )
-
-    def _warmup(self) -> None:
-        feeds_for = {}
-        profile = self.engine.profiles[0] if self.engine.profiles else {}
-        for s in self.engine.inputs:
-            if s.name in profile:
-                dims = profile[s.name].opt[1:]
-            elif all(isinstance(d, int) for d in s.shape[1:]):
-                dims = tuple(int(d) for d in s.shape[1:])
-            else:
-                raise UsageError(
-                    f"warmup: input {s.name!r} has free dims {s.shape} and the engine no "
-                    "profile to pick sizes from; submit a few requests instead"
-                )
-            feeds_for[s.name] = (np.dtype(s.dtype), dims)
-        for rows in (1, self.max_batch_size, 1, self.max_batch_size):
-            feeds = {n: np.zeros((rows, *dims), dt) for n, (dt, dims) in feeds_for.items()}
-            start = time.perf_counter()
-            self.engine.infer(feeds)
-            self._cost.observe(rows, time.perf_counter() - start)
-
-
-def _positive(name: str, value: float, integer: bool = False) -> None:
-    if (integer and (isinstance(value, bool) or not isinstance(value, int))) or value <= 0:
-        kind = "a positive integer" if integer else "a positive number"
-        raise UsageError(f"{name}={value!r}: expected {kind}")

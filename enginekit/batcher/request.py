@@ -175,29 +175,19 @@ class Layout:
         """Normalize and validate ``sample``: its feeds (with the batch dim) and its form.
         Raises EngineInputError naming what is wrong."""
         names = self.names
-        if type(sample) is np.ndarray and len(names) == 1:  # the common case, kept short
+        # Validation depends only on dtypes and shapes: the common forms look theirs up first.
+        if type(sample) is np.ndarray and len(names) == 1:
             form = self._checked.get((sample.dtype, sample.shape))
             if form is not None:
                 return {names[0]: sample[None] if form[0] else sample}, form
-            feeds = {names[0]: sample}
-            sig: Any = (sample.dtype, sample.shape)
-        else:
-            if isinstance(sample, Mapping):
-                if len(sample) != len(names) or any(n not in sample for n in names):
-                    self._name_error(sample)
-                feeds = {n: to_numpy(sample[n], n) for n in names}
-            elif len(names) == 1:
-                feeds = {names[0]: to_numpy(sample, names[0])}
-            elif isinstance(sample, (list, tuple)) and len(sample) == len(names):
-                feeds = {n: to_numpy(v, n) for n, v in zip(names, sample)}
-            else:
-                raise EngineInputError(
-                    f"this engine has {len(names)} inputs ({', '.join(names)}); submit a dict "
-                    "name -> array or a sequence in that order"
-                )
-            sig = tuple([(a.dtype, a.shape) for a in feeds.values()])
-            if len(names) == 1:
-                sig = sig[0]
+        elif type(sample) is dict and len(sample) == len(names) > 1:
+            known = self._known_dict(sample)
+            if known is not None:
+                return known
+        feeds = self._feeds(sample)
+        sig: Any = tuple([(a.dtype, a.shape) for a in feeds.values()])
+        if len(names) == 1:
+            sig = sig[0]
         form = self._checked.get(sig)
         if form is None:
             form = self._check(feeds)
@@ -206,6 +196,37 @@ class Layout:
         if form[0]:
             feeds = {n: a[None] for n, a in feeds.items()}
         return feeds, form
+
+    def _known_dict(self, sample: dict[str, Any]) -> tuple[dict[str, np.ndarray], Form] | None:
+        """A dict of numpy arrays whose signature passed before, ready; otherwise None."""
+        arrays: list[np.ndarray] = []
+        for n in self.names:
+            a = sample.get(n)
+            if type(a) is not np.ndarray:
+                return None
+            arrays.append(a)
+        form = self._checked.get(tuple([(a.dtype, a.shape) for a in arrays]))
+        if form is None:
+            return None
+        if form[0]:
+            return {n: a[None] for n, a in zip(self.names, arrays)}, form
+        return dict(zip(self.names, arrays)), form
+
+    def _feeds(self, sample: Any) -> dict[str, np.ndarray]:
+        """Any accepted form of a sample as name -> numpy array, in input order."""
+        names = self.names
+        if isinstance(sample, Mapping):
+            if len(sample) != len(names) or any(n not in sample for n in names):
+                self._name_error(sample)
+            return {n: to_numpy(sample[n], n) for n in names}
+        if len(names) == 1:
+            return {names[0]: to_numpy(sample, names[0])}
+        if isinstance(sample, (list, tuple)) and len(sample) == len(names):
+            return {n: to_numpy(v, n) for n, v in zip(names, sample)}
+        raise EngineInputError(
+            f"this engine has {len(names)} inputs ({', '.join(names)}); submit a dict "
+            "name -> array or a sequence in that order"
+        )
 
     def _name_error(self, sample: Mapping[str, Any]) -> None:
         given = [str(k) for k in sample]

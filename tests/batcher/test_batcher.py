@@ -263,3 +263,35 @@ def test_results_of_a_batch_arrive_while_the_next_batch_runs():
             release.set()
         for f in futures[4:]:
             f.result(timeout=10)
+
+
+def test_the_next_full_batch_is_collated_while_the_engine_runs():
+    release = threading.Event()
+    engine = Echo(second_call=release)
+    x = np.arange(36, dtype=np.float32).reshape(12, 3)
+    with ek.Batcher(engine, max_batch_size=4, max_delay_ms=50.0, adaptive=False) as batcher:
+        futures = [batcher.submit(row) for row in x]  # three full batches
+        assert engine.entered.wait(10)  # the second is held inside the engine
+        try:
+            deadline = time.monotonic() + 10
+            while batcher.stats()["prepared_batches"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert batcher.stats()["prepared_batches"] == 1  # the third, ready to go
+        finally:
+            release.set()
+        got = np.stack([f.result(timeout=10)["y"] for f in futures])
+    np.testing.assert_array_equal(got, x)  # in order, nothing overwritten
+
+
+def test_a_dict_sample_seen_before_skips_checks_but_not_validation(two):
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(8).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    want = {k: v[0] for k, v in two.infer({"a": a[None], "b": b[None]}).items()}
+    with ek.Batcher(two, max_delay_ms=1.0) as batcher:
+        for _ in range(2):  # the second goes through the cached signature
+            close_to(batcher.infer({"a": a, "b": b}), want)
+        with pytest.raises(ek.EngineInputError, match="dtype float32, got float64"):
+            batcher.submit({"a": a.astype(np.float64), "b": b})
+        with pytest.raises(ek.EngineInputError, match="missing input 'b'"):
+            batcher.submit({"a": a, "c": b})
