@@ -245,24 +245,7 @@ def ray_batches(
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True
-        # One read task per row group from ``start`` on (the rows of the first one before
-        # ``start`` are sliced off there), so a resumed run reads nothing it does not need.
-        # (This also steps around ray.data.read_parquet's threaded file listing, which races
-        # importing fsspec's HTTP filesystem when aiohttp is not installed.)
-        parts, row = [], 0
-        for f, groups in zip(src.files, src._meta):
-            for g, n in enumerate(groups):
-                if row + n > start:
-                    parts.append({"file": str(f), "group": g, "skip": max(start - row, 0)})
-                row += n
-        needed = list(dict.fromkeys([*src.mapping.values(), *src.keep]))
-        # Reads are tasks of their own (num_cpus differs from the engine actors', so Ray Data
-        # does not fuse them into the actors, where reading and inference would take turns
-        # in one process): they overlap with the engine as the local pipeline's reader does.
-        ds = ray.data.from_items(parts, override_num_blocks=max(1, len(parts))).map_batches(
-            read_row_groups, batch_size=1, batch_format="numpy", fn_kwargs={"columns": needed},
-            num_cpus=READ_CPUS,
-        )  # fmt: skip
+        ds = read_dataset(src, start)
         mapped = map_engine(
             ds, artifact, batch_size=size, batch_format="pyarrow", columns=src.mapping
         )
@@ -286,6 +269,27 @@ def ray_batches(
 
 #: CPUs a Ray read task reserves: less than an engine actor's, so the reads stay unfused.
 READ_CPUS = 0.5
+
+
+def read_dataset(src: ParquetSource, start: int) -> Any:
+    """A Ray Dataset of the source's rows from ``start`` on: one read task per row group (the
+    rows of the first one before ``start`` sliced off there), so a resumed run reads nothing it
+    does not need. (This also steps around ray.data.read_parquet's threaded file listing, which
+    races importing fsspec's HTTP filesystem when aiohttp is not installed.)"""
+    parts, row = [], 0
+    for f, groups in zip(src.files, src._meta):
+        for g, n in enumerate(groups):
+            if row + n > start:
+                parts.append({"file": str(f), "group": g, "skip": max(start - row, 0)})
+            row += n
+    needed = list(dict.fromkeys([*src.mapping.values(), *src.keep]))
+    # Reads are tasks of their own (num_cpus differs from the engine actors', so Ray Data does
+    # not fuse them into the actors, where reading and inference would take turns in one
+    # process): they overlap with the engine as the local pipeline's reader does.
+    return ray.data.from_items(parts, override_num_blocks=max(1, len(parts))).map_batches(
+        read_row_groups, batch_size=1, batch_format="numpy", fn_kwargs={"columns": needed},
+        num_cpus=READ_CPUS,
+    )  # fmt: skip
 
 
 def read_row_groups(batch: Any, columns: list[str] | None = None) -> Any:

@@ -121,3 +121,18 @@ def test_killing_an_actor_mid_run_loses_and_duplicates_no_row(cluster, ekit):
         np.testing.assert_allclose(
             np.concatenate(outputs), engine.infer(x)["output"], rtol=1e-5, atol=1e-6
         )
+
+
+def test_reads_run_as_tasks_beside_the_engine_actors_not_fused_into_them(cluster, ekit, parquet):
+    from enginekit.dataset.ray import read_dataset
+    from enginekit.dataset.resolve import open_source
+
+    artifact = ekit("cnn")
+    with ek.load(artifact) as engine:
+        src = open_source(parquet / "src", engine.inputs)
+    mapped = ek.ray.map_engine(
+        read_dataset(src, 40), artifact, batch_size=8, batch_format="pyarrow"
+    ).materialize()
+    stats = mapped.stats()
+    assert "MapBatches(EngineActor)" in stats and "read_row_groups)->" not in stats
+    assert mapped.count() == 80  # from row 40 on
