@@ -263,7 +263,34 @@ def _converters() -> dict[str, Any]:
         def _impl_v9(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
             return _exp_pair(bb, inputs[0], relax.op.subtract)
 
+    class HardSigmoid(onnx_frontend.HardSigmoid):
+        """max(0, min(1, alpha * x + beta)) as Relax maximum/minimum: the stock converter's
+        ``clip`` is opaque to ConvertLayout, like :class:`Clip` (MobileNetV3's
+        squeeze-excite and hard-swish left 63 transposes in torchvision's small model)."""
+
+        @classmethod
+        def _impl_v1(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x = inputs[0]
+            dtype = x.ty.dtype
+            alpha = relax.const(float(attr.get("alpha", 0.2)), dtype)
+            beta = relax.const(float(attr.get("beta", 0.5)), dtype)
+            y = bb.emit(relax.op.add(relax.op.multiply(x, alpha), beta))
+            return _unit_clamp(bb, y, 0.0, 1.0)
+
+    class HardSwish(onnx_frontend.HardSwish):
+        """x * max(0, min(6, x + 3)) / 6 without ``clip`` (see :class:`HardSigmoid`)."""
+
+        @classmethod
+        def _impl_v14(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x = inputs[0]
+            dtype = x.ty.dtype
+            shifted = bb.emit(relax.op.add(x, relax.const(3.0, dtype)))
+            gate = _unit_clamp(bb, shifted, 0.0, 6.0)
+            return bb.emit(relax.op.multiply(x, relax.op.divide(gate, relax.const(6.0, dtype))))
+
     return {
+        "HardSigmoid": HardSigmoid,
+        "HardSwish": HardSwish,
         "Range": Range,
         "Clip": Clip,
         "Resize": Resize,
@@ -271,6 +298,15 @@ def _converters() -> dict[str, Any]:
         "Cosh": Cosh,
         "Sinh": Sinh,
     }
+
+
+def _unit_clamp(bb: Any, x: Any, low: float, high: float) -> Any:
+    """max(low, min(high, x)) in ``x``'s dtype, as two elementwise Relax ops."""
+    from tvm import relax
+
+    dtype = x.ty.dtype
+    x = bb.emit(relax.op.maximum(x, relax.const(low, dtype)))
+    return bb.emit(relax.op.minimum(x, relax.const(high, dtype)))
 
 
 def _exp_pair(bb: Any, x: Any, combine: Any) -> Any:
