@@ -301,3 +301,21 @@ def test_error_line_skips_the_printer_footer_of_a_printed_expression():
         error_line(exc)
         == 'Reshape expects a known shape, got: R.add(x, metadata["ir.GenericConst"][0])'
     )
+
+
+def test_axes_fed_as_a_graph_input_are_refused_naming_the_node(tmp_path):
+    # TVM compiles reduction axes in as constants; fed at run time, the importer failed with
+    # "Only constant axes currently supported" and no node named.
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x", "axes"], ["y"], name="sum_rows", keepdims=1)],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+            helper.make_tensor_value_info("axes", TensorProto.INT64, [1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    path = tmp_path / "axes.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    with pytest.raises(ek.BuildError, match=r"axes of op 'ReduceSum' at node 'sum_rows'.*'axes'"):
+        ek.build(path, backend="tvm", shapes={"x": [(2, 3)] * 3, "axes": [(1,)] * 3})

@@ -212,3 +212,37 @@ def test_an_op_convertlayout_fails_on_is_kept_nchw_alone(tmp_path, monkeypatch):
         assert tvm_backend.inspect(open_artifact(out))["layout_barriers"] == [barrier]
         x = {"x": np.random.default_rng(7).standard_normal((2, 3, 8, 3)).astype(np.float32)}
         np.testing.assert_allclose(e.infer(x)["y"], reference(path, x)["y"], rtol=1e-4, atol=1e-4)
+
+
+def test_nhwc_passes_through_hardswish_and_hardsigmoid_without_transposes(tmp_path):
+    # MobileNetV3's activations: TVM 0.27 converts both with an opaque clip, which put a
+    # transpose on each side of every one (65 in torchvision's mobilenet_v3_small).
+    rng = np.random.default_rng(8)
+    inits = {
+        "w1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32),
+        "w2": rng.standard_normal((4, 8, 1, 1)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("HardSwish", ["c1"], ["h"]),
+        helper.make_node("HardSigmoid", ["h"], ["g"], alpha=0.25),
+        helper.make_node("Mul", ["h", "g"], ["m"]),
+        helper.make_node("Conv", ["m", "w2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 8, 8])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    path = tmp_path / "hardswish.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    with ek.build(
+        path, backend="tvm", shapes={"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}
+    ) as e:
+        meta = e.manifest["backend"]["metadata"]
+        assert meta["conv_layouts"] == {"NHWC/HWIO": 2}
+        assert meta["transposes"] == 2
+        x = {"x": 2 * rng.standard_normal((2, 3, 8, 8)).astype(np.float32)}
+        np.testing.assert_allclose(e.infer(x)["y"], reference(path, x)["y"], rtol=1e-4, atol=1e-4)

@@ -52,6 +52,7 @@ def check_nodes(proto: Any) -> None:
         if domain not in ("ai.onnx", "") or node.op_type not in known:
             missing.append((index, node, domain))
     if not missing:
+        _check_constant_inputs(proto)
         return
     index, node, domain = missing[0]
     others = sorted(
@@ -65,6 +66,39 @@ def check_nodes(proto: Any) -> None:
         "op into supported ones before export (`enginekit backends --json` lists what each "
         "backend converts)."
     )
+
+
+#: Inputs TVM 0.27's importer reads as constants (it builds shapes and attributes from them):
+#: op -> {input index: what it is}. Fed as a graph input, each failed deep in the importer
+#: ("Only constant axes currently supported", "Dynamic pads are not supported yet").
+_CONSTANT_INPUTS: dict[str, dict[int, str]] = {
+    **{
+        f"Reduce{kind}": {1: "axes"}
+        for kind in ("Sum", "Mean", "Max", "Min", "Prod", "L1", "L2", "LogSum", "LogSumExp")
+    },
+    "ReduceSumSquare": {1: "axes"},
+    "Split": {1: "split"},
+    "TopK": {1: "k"},
+    "Pad": {1: "pads"},
+    "Resize": {2: "scales", 3: "sizes"},
+}
+
+
+def _check_constant_inputs(proto: Any) -> None:
+    """Raise BuildError naming the first node that takes a value TVM compiles in as a
+    constant (reduction axes, split sizes, pads...) from a graph input, fed at run time."""
+    weights = {t.name for t in proto.graph.initializer}
+    fed = {v.name for v in proto.graph.input} - weights
+    for index, node in enumerate(proto.graph.node):
+        for i, what in _CONSTANT_INPUTS.get(node.op_type, {}).items():
+            if i < len(node.input) and node.input[i] in fed:
+                raise BuildError(
+                    f"TVM {_version()} cannot take the {what} of op {node.op_type!r} at node "
+                    f"{node.name or '<unnamed>'!r} (#{index} of the graph) from the graph "
+                    f"input {node.input[i]!r}: it compiles {what} in as a constant. Make "
+                    f"{node.input[i]!r} an initializer (a constant) before building, or build "
+                    "with another backend (e.g. --backend onnxruntime)."
+                )
 
 
 def _constant(proto: Any, name: str) -> Any:
@@ -263,7 +297,34 @@ def _converters() -> dict[str, Any]:
         def _impl_v9(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
             return _exp_pair(bb, inputs[0], relax.op.subtract)
 
+    class HardSigmoid(onnx_frontend.HardSigmoid):
+        """max(0, min(1, alpha * x + beta)) as Relax maximum/minimum: the stock converter's
+        ``clip`` is opaque to ConvertLayout, like :class:`Clip` (MobileNetV3's
+        squeeze-excite and hard-swish left 63 transposes in torchvision's small model)."""
+
+        @classmethod
+        def _impl_v1(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x = inputs[0]
+            dtype = x.ty.dtype
+            alpha = relax.const(float(attr.get("alpha", 0.2)), dtype)
+            beta = relax.const(float(attr.get("beta", 0.5)), dtype)
+            y = bb.emit(relax.op.add(relax.op.multiply(x, alpha), beta))
+            return _unit_clamp(bb, y, 0.0, 1.0)
+
+    class HardSwish(onnx_frontend.HardSwish):
+        """x * max(0, min(6, x + 3)) / 6 without ``clip`` (see :class:`HardSigmoid`)."""
+
+        @classmethod
+        def _impl_v14(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x = inputs[0]
+            dtype = x.ty.dtype
+            shifted = bb.emit(relax.op.add(x, relax.const(3.0, dtype)))
+            gate = _unit_clamp(bb, shifted, 0.0, 6.0)
+            return bb.emit(relax.op.multiply(x, relax.op.divide(gate, relax.const(6.0, dtype))))
+
     return {
+        "HardSigmoid": HardSigmoid,
+        "HardSwish": HardSwish,
         "Range": Range,
         "Clip": Clip,
         "Resize": Resize,
@@ -271,6 +332,15 @@ def _converters() -> dict[str, Any]:
         "Cosh": Cosh,
         "Sinh": Sinh,
     }
+
+
+def _unit_clamp(bb: Any, x: Any, low: float, high: float) -> Any:
+    """max(low, min(high, x)) in ``x``'s dtype, as two elementwise Relax ops."""
+    from tvm import relax
+
+    dtype = x.ty.dtype
+    x = bb.emit(relax.op.maximum(x, relax.const(low, dtype)))
+    return bb.emit(relax.op.minimum(x, relax.const(high, dtype)))
 
 
 def _exp_pair(bb: Any, x: Any, combine: Any) -> Any:
