@@ -1,16 +1,20 @@
-"""XLA backend vs ONNX Runtime: real models at fp32/bf16/fp16, and layouts on a ResNet-style CNN.
+"""XLA backend vs ONNX Runtime: a CNN and a transformer of the corpus at fp32/bf16, and layouts.
 
-Prints, in one run, side by side (the host's CPU and ISA flags first):
-  0. ``--part real`` (default: all parts): torchvision ResNet-18 and a small BERT (transformers,
-     random weights) at batch 1 and 16: ONNX Runtime's default session, XLA at fp32, bf16 and
-     fp16, median latency and speed vs ONNX Runtime, and bf16/fp16 error vs fp32 XLA (max abs
-     error relative to the output's largest magnitude);
+Prints, in one run, side by side (the host's CPU, ISA flags and load first):
+  0. ``--part real`` (default): a CNN and a transformer from corpus/ (``--cnn tv-resnet50``,
+     ``--transformer timm-deit_tiny``) at batch 1 and 16: ONNX Runtime's default session and
+     XLA at each precision (``--precisions fp32,bf16``; built with verification on, so a
+     precision that misses its tolerance shows as failed), median latency, speed vs ONNX
+     Runtime, the XLA option set the build picked, error vs fp32 XLA (max abs error relative to
+     the output's largest magnitude); then the goals table (XLA fp32 >= 1.0x ONNX Runtime per
+     family and batch; reduced precisions pass verification), met or not met. ``--json``
+     prints the same as one JSON report;
   1. ``--part layouts``: median latency at batch 1 and 32 of ONNX Runtime (default session) and
      of the XLA engine for each layout (nhwc, nchw) and XLA option set (xla-default, ynn-off);
   2. what `layout=auto, xla_flags=auto` picks at build time;
   3. compile seconds per batch bucket (1, 2, 4, ..., 32) of one engine fed batches 1..32.
 
-    python benchmarks/xla.py [--part real|layouts|all] [--size 64] [--seconds 1.0]
+    python benchmarks/xla.py [--part real|layouts|all] [--precisions fp32,bf16] [--json]
 """
 
 from __future__ import annotations
@@ -85,126 +89,178 @@ def interleaved_ms(
 
 
 REAL_BATCHES = (1, 16)
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16")
+#: The corpus entries timed by default: a CNN and a transformer (corpus/).
+MODELS = {"cnn": "tv-resnet50", "transformer": "timm-deit_tiny"}
+#: Speed goal (issue 15, item 4): XLA at fp32 vs ONNX Runtime's default session.
+GOAL = 1.0
 
 
-def real_models(work: Path, size: int) -> dict[str, tuple[Path, dict, dict[int, dict]]]:
-    """ResNet-18 (torchvision) and a 4-layer BERT (transformers): path, shapes, feeds by batch."""
-    import torch
-    import transformers
+def corpus_model(name: str) -> tuple[Path, dict, dict[int, dict]]:
+    """A corpus entry, prepared (exported once, cached): path, build shapes, feeds per batch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import corpus
 
-    lib = torch.library.Library("torchvision", "DEF")  # torchvision's CUDA-built ops need these
-    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    import torchvision
-
-    torch.manual_seed(0)
-    rng = np.random.default_rng(0)
+    prepared = corpus.prepare(corpus.select([name])[0])
+    base = prepared.samples[0].feeds
     top = max(REAL_BATCHES)
-    found: dict[str, tuple[Path, dict, dict[int, dict]]] = {}
-    cnn = torchvision.models.resnet18(weights=None).eval()
-    path = ek.export(
-        cnn, (torch.randn(1, 3, size, size),), work / "resnet18.onnx", dynamic_batch=True
-    )
-    name = ek.load_model(path).inputs[0].name
-    image = (3, size, size)
-    found[f"resnet18 {size}x{size}"] = (
-        path,
-        {name: [(1, *image), (top, *image), (top, *image)]},
-        {b: {name: rng.standard_normal((b, *image)).astype(np.float32)} for b in REAL_BATCHES},
-    )
-
-    class Bert(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            config = transformers.BertConfig(
-                vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                intermediate_size=1024,
-            )  # fmt: skip
-            self.bert = transformers.BertModel(config).eval()
-
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-    seq = 64
-    ids = torch.randint(0, 1000, (2, seq))
-    path = ek.export(
-        Bert(),
-        (ids, torch.ones_like(ids)),
-        work / "bert.onnx",
-        dynamic_batch=True,
-        dynamic_dims={"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}},
-    )
-    found[f"bert 4x256 seq {seq}"] = (
-        path,
-        {n: [(1, 1), (top, seq), (top, 128)] for n in ("input_ids", "attention_mask")},
-        {
-            b: {
-                "input_ids": rng.integers(0, 1000, (b, seq)).astype(np.int64),
-                "attention_mask": np.ones((b, seq), np.int64),
-            }
-            for b in REAL_BATCHES
-        },
-    )
-    return found
+    shapes = {n: [(1, *a.shape[1:]), (top, *a.shape[1:]), (top, *a.shape[1:])]
+              for n, a in base.items()}  # fmt: skip
+    feeds = {b: {n: np.repeat(a[:1], b, axis=0) for n, a in base.items()} for b in REAL_BATCHES}
+    return prepared.onnx, shapes, feeds
 
 
-def run_real(work: Path, size: int, seconds: float) -> None:
-    """Part 0: real models, ONNX Runtime vs XLA at each precision, speed and error."""
-    for label, (path, shapes, feeds) in real_models(work, size).items():
-        engines: dict[str, ek.Engine] = {
-            "onnxruntime": ek.build(path, backend="onnxruntime", shapes=shapes, verify=False)
-        }
-        for precision in PRECISIONS:
-            engines[f"xla {precision}"] = ek.build(
-                path, backend="xla", shapes=shapes, precision=precision, xla_flags="auto"
-            )
-        print(f"\n{label}")
-        print(f"{'engine':<16}" + "".join(f"{f'b{b} ms':>10}{'vs ORT':>9}" for b in REAL_BATCHES)
-              + f"{'err vs fp32':>14}")  # fmt: skip
+class _OrtDefault:
+    """ONNX Runtime's default session (what the speed goal compares with), as an engine."""
+
+    def __init__(self, path: Path) -> None:
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    def infer(self, feeds: dict) -> dict:
+        names = [o.name for o in self.session.get_outputs()]
+        return dict(zip(names, self.session.run(names, feeds)))
+
+    def close(self) -> None:
+        pass
+
+
+def run_real(models: dict[str, str], precisions: tuple[str, ...], seconds: float) -> list[dict]:
+    """Part 0: corpus models, ONNX Runtime's default session vs XLA at each precision."""
+    rows = []
+    for family, name in models.items():
+        path, shapes, feeds = corpus_model(name)
+        engines: dict[str, Any] = {"onnxruntime": _OrtDefault(path)}
+        failed: dict[str, str] = {}
+        for precision in precisions:
+            try:  # verification on: a precision that misses its tolerance is not timed
+                engines[f"xla {precision}"] = ek.build(
+                    str(path), backend="xla", shapes=shapes, precision=precision
+                )
+            except ek.EnginekitError as exc:
+                failed[f"xla {precision}"] = str(exc).splitlines()[0][:200]
         by_batch = {
             b: interleaved_ms(engines, feeds[b], seconds * len(engines)) for b in REAL_BATCHES
         }
-        reference = engines["xla fp32"].infer(feeds[REAL_BATCHES[-1]])
-        for name, engine in engines.items():
-            cells = "".join(
-                f"{by_batch[b][name]:>10.2f}{by_batch[b]['onnxruntime'] / by_batch[b][name]:>8.2f}x"
-                for b in REAL_BATCHES
-            )
-            error = ""
-            if name.startswith("xla") and name != "xla fp32":
+        fp32 = engines.get("xla fp32")
+        reference = fp32.infer(feeds[REAL_BATCHES[-1]]) if fp32 else None
+        for label, engine in engines.items():
+            row: dict[str, Any] = {"family": family, "model": name, "engine": label}
+            for b in REAL_BATCHES:
+                row[f"b{b}_ms"] = round(by_batch[b][label], 3)
+                row[f"b{b}_vs_ort"] = round(by_batch[b]["onnxruntime"] / by_batch[b][label], 3)
+            if label.startswith("xla"):
+                meta = engine.manifest["backend"]["metadata"]
+                row["xla_flags"] = meta["xla_flags"]
+                row["verified"] = bool((engine.manifest.get("verify") or {}).get("passed"))
+            if reference is not None and label.startswith("xla") and label != "xla fp32":
                 got = engine.infer(feeds[REAL_BATCHES[-1]])
-                error = "  " + ", ".join(
-                    f"{np.abs(got[k] - v).max() / max(np.abs(v).max(), 1e-30):.2e}"
+                row["error_vs_fp32"] = max(
+                    float(np.abs(got[k] - v).max() / max(np.abs(v).max(), 1e-30))
                     for k, v in reference.items()
                 )
-            print(f"{name:<16}{cells}{error}")
+            rows.append(row)
+        rows += [
+            {"family": family, "model": name, "engine": label, "error": why}
+            for label, why in failed.items()
+        ]
         for engine in engines.values():
             engine.close()
+    return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    import torch
+def goals(rows: list[dict], precisions: tuple[str, ...]) -> list[dict]:
+    """Met / not met: XLA fp32 >= GOAL x ONNX Runtime at each batch and family; every reduced
+    precision builds (verification passes)."""
+    out = []
+    for family in dict.fromkeys(r["family"] for r in rows):
+        mine = {r["engine"]: r for r in rows if r["family"] == family}
+        fp32 = mine.get("xla fp32", {})
+        for b in REAL_BATCHES:
+            ratio = fp32.get(f"b{b}_vs_ort")
+            out.append({
+                "goal": f"{family} ({fp32.get('model', '?')}) b{b}: xla fp32 >= {GOAL}x ORT",
+                "value": ratio,
+                "met": ratio is not None and ratio >= GOAL,
+            })  # fmt: skip
+        for precision in precisions[1:]:
+            row = mine.get(f"xla {precision}", {})
+            out.append({
+                "goal": f"{family} xla {precision} passes verification",
+                "value": row.get("error") or row.get("error_vs_fp32"),
+                "met": bool(row.get("verified")),
+            })  # fmt: skip
+    return out
+
+
+def print_real(rows: list[dict], met: list[dict]) -> None:
+    for family in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == family]
+        print(f"\n{family}: {mine[0]['model']}")
+        print(f"{'engine':<14}" + "".join(f"{f'b{b} ms':>11}{'vs ORT':>9}" for b in REAL_BATCHES)
+              + f"{'flags':>13}{'err vs fp32':>13}")  # fmt: skip
+        for r in mine:
+            if "error" in r:
+                print(f"{r['engine']:<14} failed: {r['error']}")
+                continue
+            cells = "".join(
+                f"{r[f'b{b}_ms']:>11.2f}{r[f'b{b}_vs_ort']:>8.2f}x" for b in REAL_BATCHES
+            )
+            error = f"{r['error_vs_fp32']:>13.2e}" if "error_vs_fp32" in r else ""
+            print(f"{r['engine']:<14}{cells}{r.get('xla_flags', ''):>13}{error}")
+    print("\ngoals")
+    for g in met:
+        value = g["value"]
+        shown = f"{value:.2f}" if isinstance(value, float) else str(value or "")
+        print(f"  {'met    ' if g['met'] else 'NOT MET'}  {g['goal']:<52} {shown[:60]}")
+
+
+def host() -> dict[str, Any]:
+    """The CPU and the ISA flags that decide reduced-precision speed."""
+    import os
 
     from enginekit import target
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("real", "layouts", "all"), default="all")
-    parser.add_argument("--size", type=int, default=64, help="input height and width")
-    parser.add_argument("--seconds", type=float, default=1.0, help="timing per measurement")
-    args = parser.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="enginekit-bench-xla-"))
     flags = target.cpu_flags()
-    isa = [
-        f
-        for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "avx512_fp16")
-        if f in flags
-    ]
-    print(f"host: {target.cpu_name()}, ISA: {' '.join(isa) or 'none of avx2/avx512'}")
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "avx512_fp16")
+           if f in flags]  # fmt: skip
+    return {"cpu": target.cpu_name(), "isa": isa, "load": os.getloadavg()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("real", "layouts", "all"), default="real")
+    parser.add_argument("--cnn", default=MODELS["cnn"], help="corpus entry timed as the CNN")
+    parser.add_argument("--transformer", default=MODELS["transformer"], help="corpus entry")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), help="e.g. fp32,bf16,fp16")
+    parser.add_argument("--size", type=int, default=64, help="layouts part: input height, width")
+    parser.add_argument("--seconds", type=float, default=1.0, help="timing per measurement")
+    parser.add_argument("--json", action="store_true", help="print one JSON report")
+    args = parser.parse_args(argv)
+    precisions = tuple(p for p in args.precisions.split(",") if p)
+    if precisions[:1] != ("fp32",):
+        parser.error("--precisions must start with fp32 (the others are compared with it)")
+    info = host()
+    if not args.json:
+        print(f"host: {info['cpu']}, ISA: {' '.join(info['isa']) or 'none of avx2/avx512'}, "
+              f"load {' '.join(f'{x:.1f}' for x in info['load'])}")  # fmt: skip
+    report: dict[str, Any] = {"host": info, "batches": list(REAL_BATCHES)}
     if args.part in ("real", "all"):
-        run_real(work, args.size, args.seconds)
+        models = {"cnn": args.cnn, "transformer": args.transformer}
+        rows = run_real(models, precisions, args.seconds)
+        report["rows"], report["goals"] = rows, goals(rows, precisions)
+        if not args.json:
+            print_real(rows, report["goals"])
     if args.part in ("layouts", "all"):
+        import torch
+
+        work = Path(tempfile.mkdtemp(prefix="enginekit-bench-xla-"))
         run_layouts(work, args.size, args.seconds, torch)
+    if args.json:
+        print(json.dumps(report, indent=2))
 
 
 def run_layouts(work: Path, size: int, seconds: float, torch: Any) -> None:

@@ -16,7 +16,7 @@ DOC = Path(__file__).parents[3] / "docs" / "backends" / "xla.md"
 def test_doc_example_runs(onnx_model, tmp_path, monkeypatch, capsys):
     shutil.copy(onnx_model("cnn"), tmp_path / "cnn.onnx")
     monkeypatch.chdir(tmp_path)
-    (block,) = re.findall(r"```python\n(.*?)```", DOC.read_text(encoding="utf-8"), flags=re.S)
+    block = re.findall(r"```python\n(.*?)```", DOC.read_text(encoding="utf-8"), flags=re.S)[0]
     namespace: dict = {}
     exec(compile(block, str(DOC), "exec"), namespace)
     assert sorted(namespace["engine"].programs) == [
