@@ -152,7 +152,7 @@ def build_args(cand: Candidate, quant: Quantization) -> dict[str, Any]:
     config — the one place build options reach each candidate.
 
     int8 candidates get the int8 arguments (calibration table or data, verification data,
-    the accuracy gates); the others none (their verification runs here, on the main model).
+    the accuracy gates, an accuracy target); the others none (their verification runs here, on the main model).
     """
     if cand.precision != "int8":
         return {}
@@ -164,6 +164,7 @@ def build_args(cand: Candidate, quant: Quantization) -> dict[str, Any]:
         "min_top1_agreement": quant.gates.min_top1_agreement,
         "max_abs_error": quant.gates.max_abs_error,
         "allow_table_mismatch": quant.allow_table_mismatch,
+        "accuracy_target": quant.target,
     }
 
 
@@ -294,7 +295,7 @@ def build_auto(model: ModelSource, request: Request) -> Engine:
         if candidates
         else default_candidates(chosen, options, backends)
     )
-    floor = quant.gates.min_top1_agreement
+    floor = quant.checked_gates.min_top1_agreement  # the gate's, else an accuracy target's
     auto: dict[str, Any] = {
         "objective": objective,
         "precisions": chosen if not candidates else sorted({c.precision for c, _ in todo}),

@@ -242,3 +242,16 @@ def test_cli_build_auto_backends_flag_and_its_typo(models, tmp_path):
     assert typo.returncode == 2 and "did you mean 'onnxruntime'" in typo.stderr
     misuse = run_cli("build", models["mlp"], "--backends", "onnxruntime", "-o", out)
     assert misuse.returncode == 2 and "--backends only apply with --backend auto" in misuse.stderr
+
+
+def test_an_accuracy_target_reaches_every_int8_candidate_and_sets_the_floor(models):
+    x = np.random.default_rng(0).standard_normal((80, 16)).astype(np.float32)
+    target = ek.AccuracyTarget(min_top1_agreement=0.5, max_plans=2)
+    engine = ek.build(
+        models["mlp"], backend="auto", shapes=SHAPES, backends=["onnxruntime"],
+        precisions=["int8"], calib_data=x, accuracy_target=target, **QUICK,
+    )  # fmt: skip
+    auto, calibration = engine.manifest["auto"], engine.manifest["calibration"]
+    engine.close()
+    assert auto["min_top1_agreement"] == 0.5  # the target's limit is the gate's floor
+    assert "accuracy_search" in calibration  # build's int8 stage searched for the target
