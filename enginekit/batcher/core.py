@@ -195,8 +195,11 @@ class Batcher:
             self._arrivals.observe(now)
             # Wake a waiting worker only when the batch it waits for may be ready: busy workers
             # look at the queue by themselves when their batch ends.
-            if self._idle and (rows >= self._plan.get(request.key, 1) or now >= self._wake_at):
-                self._cv.notify()
+            if self._idle:
+                if rows >= self._plan.get(request.key, 1) or now >= self._wake_at:
+                    self._cv.notify()
+            elif rows == self.max_batch_size and self._prepared is None:
+                self._done.put(("wake",))  # every worker is busy: the helper collates it
             if request.deadline < self._timer_at:
                 self._timer_at = request.deadline
                 self._done.put(("wake",))
