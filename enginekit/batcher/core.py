@@ -120,7 +120,10 @@ class Batcher:
         self._rate: ArrivalRate | None = self._arrivals if adaptive else None
         self._queue = WaitQueue()
         self._metrics = Metrics()
-        self._cv = threading.Condition(threading.Lock())
+        # One lock guards the queue and the metrics; the hot paths take it directly (``with
+        # self._lock`` skips a Python-level frame of Condition.__enter__ per request).
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         # Finished batches, expired requests and wake-ups for the helper thread; None stops it.
         self._done: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._workers = self._running = int(workers)
@@ -165,7 +168,7 @@ class Batcher:
         try:
             feeds, form = self._layout.prepare(sample)
         except EngineInputError:
-            with self._cv:
+            with self._lock:
                 self._metrics.submitted += 1
                 self._metrics.outcomes["invalid"] += 1
             raise
@@ -173,7 +176,7 @@ class Batcher:
         wait = self.timeout if timeout_ms is None else timeout_ms / 1e3
         deadline = math.inf if wait is None else now + wait
         request = Request(feeds, form, int(priority), now, deadline)
-        with self._cv:
+        with self._lock:
             m = self._metrics
             m.submitted += 1
             if self._closing:
@@ -192,8 +195,11 @@ class Batcher:
             self._arrivals.observe(now)
             # Wake a waiting worker only when the batch it waits for may be ready: busy workers
             # look at the queue by themselves when their batch ends.
-            if self._idle and (rows >= self._plan.get(request.key, 1) or now >= self._wake_at):
-                self._cv.notify()
+            if self._idle:
+                if rows >= self._plan.get(request.key, 1) or now >= self._wake_at:
+                    self._cv.notify()
+            elif rows == self.max_batch_size and self._prepared is None:
+                self._done.put(("wake",))  # every worker is busy: the helper collates it
             if request.deadline < self._timer_at:
                 self._timer_at = request.deadline
                 self._done.put(("wake",))
@@ -490,11 +496,13 @@ class Batcher:
             self._prepare()
 
     def _finish(self, item: tuple[Any, ...]) -> None:
+        """Act on one message for the helper: a finished batch (split, count, resolve), expired
+        requests to fail, cancelled ones to count, or a wake-up (deadlines changed)."""
         if item[0] == "expired":
             self._fail_expired(item[1])
             return
         if item[0] == "cancelled":
-            with self._cv:
+            with self._lock:
                 self._metrics.outcomes["cancelled"] += item[1]
             return
         if item[0] == "wake":
@@ -508,7 +516,7 @@ class Batcher:
         # Count first: a caller that sees its result also sees it in stats().
         now = time.monotonic()
         latencies = [now - r.arrival for r in requests]
-        with self._cv:
+        with self._lock:
             m = self._metrics
             m.outcomes["completed" if ok else "failed"] += len(requests)
             m.add_many("latency", latencies)

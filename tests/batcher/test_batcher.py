@@ -241,7 +241,7 @@ class Echo(ek.Engine):
 
 def test_outputs_that_alias_the_collated_input_are_not_overwritten():
     x = np.arange(48, dtype=np.float32).reshape(16, 3)
-    with ek.Batcher(Echo(), max_batch_size=4, max_delay_ms=50.0, adaptive=False) as batcher:
+    with ek.Batcher(Echo(), max_batch_size=4, max_delay_ms=5_000, adaptive=False) as batcher:
         futures = [batcher.submit(row) for row in x]  # four batches through the same buffer
         got = np.stack([f.result(timeout=10)["y"] for f in futures])
         assert batcher.stats()["batches"] == 4
@@ -252,7 +252,7 @@ def test_results_of_a_batch_arrive_while_the_next_batch_runs():
     release = threading.Event()
     engine = Echo(second_call=release)
     x = np.ones((8, 3), np.float32)
-    with ek.Batcher(engine, max_batch_size=4, max_delay_ms=50.0, adaptive=False) as batcher:
+    with ek.Batcher(engine, max_batch_size=4, max_delay_ms=5_000, adaptive=False) as batcher:
         futures = [batcher.submit(row) for row in x]  # two full batches queued at once
         assert engine.entered.wait(10)  # the second batch is inside the engine
         try:
@@ -269,7 +269,7 @@ def test_the_next_full_batch_is_collated_while_the_engine_runs():
     release = threading.Event()
     engine = Echo(second_call=release)
     x = np.arange(36, dtype=np.float32).reshape(12, 3)
-    with ek.Batcher(engine, max_batch_size=4, max_delay_ms=50.0, adaptive=False) as batcher:
+    with ek.Batcher(engine, max_batch_size=4, max_delay_ms=5_000, adaptive=False) as batcher:
         futures = [batcher.submit(row) for row in x]  # three full batches
         assert engine.entered.wait(10)  # the second is held inside the engine
         try:
