@@ -307,6 +307,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke test: small data")
     parser.add_argument("--no-ray", action="store_true", help="skip (d)")
     parser.add_argument("--ray-rows", type=int, help="rows of (d)'s dataset (default 100000)")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        help="batch size for every run (default: what batch_size='auto' chooses; on a loaded "
+        "machine its short search can land on a tiny batch that makes every ratio noise)",
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     rows, images = (2000, 200) if args.quick else (20000, 2000)
@@ -337,9 +343,10 @@ def main() -> None:
         t_auto, auto = timed(
             ek.infer_dataset, engine, work / "parquet", work / "auto", progress=False
         )
-        batch = auto.batch_size
+        batch = args.batch or auto.batch_size
         print(
-            f"batch size auto -> {batch} ({auto.batch_choice.reason}; whole job incl. search {t_auto:.1f} s)"
+            f"batch size auto -> {auto.batch_size} ({auto.batch_choice.reason}; whole job incl. "
+            f"search {t_auto:.1f} s){f'; --batch {batch} used' if args.batch else ''}"
         )
         # (a) naive, on the default build, between the rounds of (b) and (c).
         a_r = []

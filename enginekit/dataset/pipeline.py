@@ -167,9 +167,11 @@ def run_local(
 ) -> int:  # fmt: skip
     """Rows from ``start`` through the engine into committed shards; returns the rows inferred."""
     inbox: queue.Queue = queue.Queue(prefetch)
-    # The writer's items hold outputs and ids, not the inputs (dropped below): a longer queue
-    # costs little memory and keeps the engine from blocking while the writer is descheduled.
-    outbox: queue.Queue = queue.Queue(4 * prefetch)
+    # The writer's items hold outputs and ids, not the inputs (dropped below). Room for a whole
+    # shard's batches: while the writer writes and fsyncs one shard, the engine goes on with
+    # the next instead of blocking (the writer holds a shard's outputs until it is written
+    # anyway, so this at most doubles what it holds).
+    outbox: queue.Queue = queue.Queue(max(4 * prefetch, -(-shard_rows // size) + prefetch))
     clock = state.clock
 
     def read() -> None:
