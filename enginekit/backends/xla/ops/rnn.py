@@ -96,7 +96,6 @@ def _reverse_within(x: Any, lens: Any) -> Any:
 
 
 def _run(
-    op: str,
     X: Any,
     states: list[Any],
     sequence_lens: Any,
@@ -151,7 +150,7 @@ def _initial(value: Any, dirs: int, batch: Any, hidden: int, layout: int, dtype:
 def _prepare(
     op: str, X: Any, W: Any, R: Any, B: Any, gates: int, hidden_size: int | None, layout: int
 ) -> tuple[Any, Any, Any, Any, int, Any]:
-    """(x [seq, batch, in], W, R, summed-later bias [dirs, 2*gates*hidden], hidden, batch)."""
+    """(X's dtype, W, R, bias [dirs, 2 * gates * hidden], hidden size, batch size)."""
     w, r = to_jax(W), to_jax(R)
     hidden = hidden_size or r.shape[-1]
     if r.shape[-1] != hidden:
@@ -159,7 +158,7 @@ def _prepare(
     x = to_jax(X)
     batch = x.shape[0] if layout else x.shape[1]
     bias = jnp.zeros((w.shape[0], 2 * gates * hidden), x.dtype) if B is None else to_jax(B)
-    return x, w, r, bias, hidden, batch
+    return x.dtype, w, r, bias, hidden, batch
 
 
 def _clipped(clip: float | None) -> Callable[[Any], Any]:
@@ -185,16 +184,16 @@ def RNN(
 ) -> tuple[Any, Any]:
     """Returns (Y, Y_h)."""
     flags = _directions(direction)
-    x, w, r, bias, hidden, batch = _prepare("RNN", X, W, R, B, 1, hidden_size, layout)
+    dtype, w, r, bias, hidden, batch = _prepare("RNN", X, W, R, B, 1, hidden_size, layout)
     acts = _activations(activations, ["Tanh"], len(flags), activation_alpha, activation_beta)
     cut = _clipped(clip)
-    h0 = _initial(initial_h, len(flags), batch, hidden, layout, x.dtype)
+    h0 = _initial(initial_h, len(flags), batch, hidden, layout, dtype)
 
     def step(d: int, x_t: Any, s: list[Any]) -> list[Any]:
         pre = x_t @ w[d].T + s[0] @ r[d].T + bias[d, :hidden] + bias[d, hidden:]
         return [acts[d][0](cut(pre))]
 
-    y, (h,) = _run("RNN", X, [h0], sequence_lens, layout, flags, step)
+    y, (h,) = _run(X, [h0], sequence_lens, layout, flags, step)
     return y, h
 
 
@@ -216,12 +215,12 @@ def GRU(
 ) -> tuple[Any, Any]:
     """Returns (Y, Y_h); gates in the spec's z, r, h order."""
     flags = _directions(direction)
-    x, w, r, bias, hidden, batch = _prepare("GRU", X, W, R, B, 3, hidden_size, layout)
+    dtype, w, r, bias, hidden, batch = _prepare("GRU", X, W, R, B, 3, hidden_size, layout)
     acts = _activations(
         activations, ["Sigmoid", "Tanh"], len(flags), activation_alpha, activation_beta
     )
     cut = _clipped(clip)
-    h0 = _initial(initial_h, len(flags), batch, hidden, layout, x.dtype)
+    h0 = _initial(initial_h, len(flags), batch, hidden, layout, dtype)
     n = hidden
 
     def step(d: int, x_t: Any, s: list[Any]) -> list[Any]:
@@ -239,7 +238,7 @@ def GRU(
         cand = g(cut(cand))
         return [(1 - z) * cand + z * h]
 
-    y, (h,) = _run("GRU", X, [h0], sequence_lens, layout, flags, step)
+    y, (h,) = _run(X, [h0], sequence_lens, layout, flags, step)
     return y, h
 
 
@@ -263,14 +262,14 @@ def LSTM(
 ) -> tuple[Any, Any, Any]:
     """Returns (Y, Y_h, Y_c); gates in the spec's i, o, f, c order, peepholes i, o, f."""
     flags = _directions(direction)
-    x, w, r, bias, hidden, batch = _prepare("LSTM", X, W, R, B, 4, hidden_size, layout)
+    dtype, w, r, bias, hidden, batch = _prepare("LSTM", X, W, R, B, 4, hidden_size, layout)
     acts = _activations(
         activations, ["Sigmoid", "Tanh", "Tanh"], len(flags), activation_alpha, activation_beta
     )
     cut = _clipped(clip)
-    h0 = _initial(initial_h, len(flags), batch, hidden, layout, x.dtype)
-    c0 = _initial(initial_c, len(flags), batch, hidden, layout, x.dtype)
-    peep = jnp.zeros((len(flags), 3 * hidden), x.dtype) if P is None else to_jax(P)
+    h0 = _initial(initial_h, len(flags), batch, hidden, layout, dtype)
+    c0 = _initial(initial_c, len(flags), batch, hidden, layout, dtype)
+    peep = jnp.zeros((len(flags), 3 * hidden), dtype) if P is None else to_jax(P)
     n = hidden
 
     def step(d: int, x_t: Any, s: list[Any]) -> list[Any]:
@@ -287,5 +286,5 @@ def LSTM(
         o = f_act(cut(gates[:, n : 2 * n] + p_o * c_new))
         return [o * h_act(c_new), c_new]
 
-    y, (h, c) = _run("LSTM", X, [h0, c0], sequence_lens, layout, flags, step)
+    y, (h, c) = _run(X, [h0, c0], sequence_lens, layout, flags, step)
     return y, h, c
