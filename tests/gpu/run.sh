@@ -2,9 +2,9 @@
 # The one script to run on a GPU machine: the tests that need TensorRT, CUDA and ONNX Runtime's
 # CUDA/TensorRT providers (tests/gpu and the tensorrt cases of the conformance suite), then the
 # XLA backend on JAX's CUDA plugin when jax sees a GPU (tests/gpu/test_gpu_xla.py: conformance
-# models and ResNet-18/BERT, fp32 and bf16, vs ONNX Runtime CPU).
+# models and the corpus' tv-resnet50 and hf-bert, fp32 and bf16, vs ONNX Runtime CPU).
 # Installs nothing and needs no network: it runs what this machine has, says what is missing,
-# prints a summary and stops after at most ~8 minutes. Usage: tests/gpu/run.sh [pytest args]
+# prints a summary and stops after at most ~9 minutes. Usage: tests/gpu/run.sh [pytest args]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
@@ -53,7 +53,7 @@ timeout --signal=INT 300 "$PY" -m pytest tests/gpu tests/conformance -k "(gpu or
   -q -rs -p no:cacheprovider --durations=10 "$@"
 rc=$?
 echo "== tests: XLA backend on JAX's CUDA plugin"
-timeout --signal=INT 170 "$PY" -m pytest tests/gpu/test_gpu_xla.py -q -rs -s -p no:cacheprovider \
+timeout --signal=INT 240 "$PY" -m pytest tests/gpu/test_gpu_xla.py -q -rs -s -p no:cacheprovider \
   --durations=5 "$@"
 rc_xla=$?
 echo "== done in $(( $(date +%s) - start )) s, pytest exit codes $rc (TensorRT/ORT), $rc_xla (XLA)" \

@@ -1,5 +1,5 @@
-"""The XLA backend on JAX's CUDA plugin: conformance models and two real models, fp32 and bf16,
-against ONNX Runtime CPU.
+"""The XLA backend on JAX's CUDA plugin: conformance models and two corpus models (ResNet-50,
+BERT), fp32 and bf16, against ONNX Runtime CPU.
 
 Skipped where jax sees no GPU (no CUDA plugin, or no device). The GPU image's jax and plugin
 versions differ from our pins: ``tests/gpu/run.sh`` prints which are installed.
@@ -41,10 +41,12 @@ def test_gpu_xla_conformance_model_matches_onnxruntime_cpu(case, precision, onnx
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("model", ["resnet18", "bert"])
-def test_gpu_xla_real_model_matches_onnxruntime_cpu(model, precision, tmp_path):
-    pytest.importorskip("torch", reason="the real models are exported from PyTorch")
-    pytest.importorskip("torchvision" if model == "resnet18" else "transformers")
-    path, shapes, feeds = getattr(xla_gpu, model)(tmp_path)
+@pytest.mark.parametrize("model", xla_gpu.CORPUS_MODELS)
+def test_gpu_xla_corpus_model_matches_onnxruntime_cpu(model, precision, tmp_path):
+    pytest.importorskip("torch", reason="the corpus models are exported from PyTorch")
+    try:
+        path, shapes, feeds = xla_gpu.corpus_model(model, tmp_path)
+    except ModuleNotFoundError as exc:
+        pytest.skip(f"{model} needs {exc.name}")
     report = xla_gpu.check(model, path, shapes, feeds, (1, 5, 8), "cuda", precision, tmp_path)
     print(f"\n[xla cuda] {report}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -75,15 +76,18 @@ def check(
     precision: str,
     workdir: Path,
 ) -> Report:
-    """Build on ``device`` at ``precision``, reload the artifact, compare with ONNX Runtime CPU.
+    """Build on ``device`` at ``precision``, reload the artifact, compare with ONNX Runtime CPU
+    by the precision's default verification rule (scaled: error relative to each output's
+    largest magnitude, and cosine similarity).
 
     Raises:
         AssertionError: an output differs past the precision's default tolerance.
     """
     import enginekit as ek
-    from enginekit.config import DEFAULT_TOLERANCE, Precision
+    from enginekit.config import default_tolerance
+    from enginekit.verify import check_outputs
 
-    atol, rtol = DEFAULT_TOLERANCE[Precision(precision)]
+    tol = default_tolerance(precision)
     artifact = workdir / f"{name}-{precision}.ekit"
     ek.build(
         path,
@@ -97,84 +101,42 @@ def check(
     with ek.load(artifact, device=device) as engine:
         for batch in batches:
             feeds = feeds_at(batch)
-            want = reference(path, feeds)
             got = engine.infer(feeds)
-            for key, value in want.items():
-                np.testing.assert_allclose(
-                    got[key], value, atol=atol, rtol=rtol, err_msg=f"{name} {key} batch {batch}"
-                )
-                scale = max(float(np.abs(value).max()), 1e-30)
-                error = float(np.abs(got[key] - value).max()) / scale
-                worst[key] = max(worst.get(key, 0.0), error)
+            checks = check_outputs(
+                got, reference(path, feeds), tol.atol, tol.rtol, min_cosine=tol.min_cosine
+            )
+            for c in checks:
+                assert c.passed, f"{name} {c.name} batch {batch}: {c}"
+                worst[c.name] = max(worst.get(c.name, 0.0), c.scaled_error)
     return Report(name, device, precision, batches, worst)
 
 
-def resnet18(
-    directory: Path, size: int = 64
-) -> tuple[Path, dict[str, Any], Callable[[int], Feeds]]:
-    """torchvision ResNet-18 (random weights), dynamic batch up to 8."""
-    import torch
-
-    import enginekit as ek
-
-    lib = torch.library.Library("torchvision", "DEF")  # torchvision's CUDA-built ops need these
-    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    import torchvision
-
-    torch.manual_seed(0)
-    model = torchvision.models.resnet18(weights=None).eval()
-    path = ek.export(
-        model, (torch.randn(1, 3, size, size),), directory / "resnet18.onnx", dynamic_batch=True
-    )
-    name = ek.load_model(path).inputs[0].name
-    image = (3, size, size)
-
-    def feeds(batch: int) -> Feeds:
-        rng = np.random.default_rng(batch)
-        return {name: rng.standard_normal((batch, *image)).astype(np.float32)}
-
-    return path, {name: [(1, *image), (4, *image), (8, *image)]}, feeds
+#: The corpus entries the GPU run checks (corpus/): a CNN and a transformer.
+CORPUS_MODELS = ("tv-resnet50", "hf-bert")
 
 
-def bert(directory: Path, seq: int = 16) -> tuple[Path, dict[str, Any], Callable[[int], Feeds]]:
-    """A 2-layer BERT (transformers, random weights), dynamic batch and sequence."""
-    import torch
-    import transformers
+def corpus_model(name: str, directory: Path) -> tuple[Path, dict[str, Any], Callable[[int], Feeds]]:
+    """A corpus entry (random weights), prepared into ``directory``: the ONNX file, the
+    entry's own profile (batch 1..8), and inputs at any batch (its first sample's rows
+    repeated).
 
-    import enginekit as ek
+    Raises:
+        ModuleNotFoundError: the entry's framework (torchvision, transformers) is missing.
+    """
+    import importlib
 
-    class Bert(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            config = transformers.BertConfig(
-                vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                intermediate_size=128,
-            )  # fmt: skip
-            self.bert = transformers.BertModel(config).eval()
+    root = Path(__file__).resolve().parents[2]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import corpus
 
-        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
-            return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-    torch.manual_seed(0)
-    ids = torch.randint(0, 100, (2, seq))
-    dims = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
-    path = ek.export(
-        Bert(),
-        (ids, torch.ones_like(ids)),
-        directory / "bert.onnx",
-        dynamic_batch=True,
-        dynamic_dims=dims,
-    )
+    entry = corpus.select([name])[0]
+    for package in entry.packages:
+        importlib.import_module(package)
+    prepared = corpus.prepare(entry, cache=directory / "corpus")
+    base = prepared.samples[0].feeds
 
     def feeds(batch: int) -> Feeds:
-        rng = np.random.default_rng(batch)
-        mask = np.ones((batch, seq), np.int64)
-        mask[:, seq - 3 :] = 0  # right padding, as a tokenizer writes it
-        return {
-            "input_ids": rng.integers(0, 100, (batch, seq)).astype(np.int64),
-            "attention_mask": mask,
-        }
+        return {n: np.repeat(a[:1], batch, axis=0) for n, a in base.items()}
 
-    shapes = {n: [(1, 1), (4, seq), (8, 2 * seq)] for n in ("input_ids", "attention_mask")}
-    return path, shapes, feeds
+    return prepared.onnx, dict(prepared.shapes), feeds

@@ -47,3 +47,13 @@ def test_check_builds_reloads_and_compares_a_conformance_model(
     assert report.batches == (1, 19)
     assert set(report.worst) == outputs
     assert all(0 <= e < (1e-3 if precision == "fp32" else 5e-2) for e in report.worst.values())
+
+
+@pytest.mark.slow
+def test_corpus_model_check_runs_on_the_cpu_device(xla_gpu, tmp_path):
+    """The GPU run's corpus path (prepare an entry, build, reload, compare), on a tiny BERT."""
+    pytest.importorskip("torch", reason="the corpus models are exported from PyTorch")
+    pytest.importorskip("transformers")
+    path, shapes, feeds = xla_gpu.corpus_model("hf-bert", tmp_path)
+    report = xla_gpu.check("hf-bert", path, shapes, feeds, (1, 5), "cpu", "fp32", tmp_path)
+    assert report.batches == (1, 5) and all(e < 1e-4 for e in report.worst.values())
