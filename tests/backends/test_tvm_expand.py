@@ -44,12 +44,12 @@ def _check(path, inputs, seed=0):
         np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5)
 
 
-def test_rms_normalization_is_expanded_to_its_function_body(tmp_path):
-    # Opset 23's RMSNormalization has no TVM converter ("cannot convert op"); its ONNX
-    # function body (ReduceMean, Sqrt, Div...) does.
-    inputs = {"x": (2, 4, 8), "scale": (8,)}
-    node = helper.make_node("RMSNormalization", ["x", "scale"], ["y"], axis=-1)
-    _check(_one_node(tmp_path, node, 23, inputs), inputs)
+def test_celu_is_expanded_to_its_function_body(tmp_path):
+    # Celu has no TVM converter ("cannot convert op 'Celu'"); its ONNX function body
+    # (Div, Elu, Mul) converts.
+    inputs = {"x": (2, 4, 8)}
+    node = helper.make_node("Celu", ["x"], ["y"], alpha=0.7)
+    _check(_one_node(tmp_path, node, 17, inputs), inputs)
 
 
 def test_standard_attention_is_expanded_not_given_to_the_contrib_converter(tmp_path):
@@ -95,3 +95,28 @@ def test_cosh_and_sinh_compile(tmp_path, op):
     # intrinsic") after the whole build; enginekit's converters use exp.
     inputs = {"x": (3, 5)}
     _check(_one_node(tmp_path, helper.make_node(op, ["x"], ["y"]), 18, inputs), inputs)
+
+
+def test_layer_normalization_over_several_axes_with_mean_and_inv_std_dev(tmp_path):
+    # TVM 0.27's converter returned the constant 0 for Mean and InvStdDev (ONNX's
+    # layer_normalization_*_axis0 cases failed verification).
+    node = helper.make_node(
+        "LayerNormalization", ["x", "scale", "bias"], ["y", "mean", "inv"], axis=1
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, (2, 3, 4)),
+            helper.make_tensor_value_info("scale", TensorProto.FLOAT, (3, 4)),
+            helper.make_tensor_value_info("bias", TensorProto.FLOAT, (3, 4)),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, (2, 3, 4)),
+            helper.make_tensor_value_info("mean", TensorProto.FLOAT, (2, 1, 1)),
+            helper.make_tensor_value_info("inv", TensorProto.FLOAT, (2, 1, 1)),
+        ],
+    )
+    path = tmp_path / "layernorm.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    _check(path, {"x": (2, 3, 4), "scale": (3, 4), "bias": (3, 4)})

@@ -1,7 +1,7 @@
 """ONNX ops TVM's importer lacks, replaced by their ONNX function bodies before import.
 
-Many newer ONNX ops (``RMSNormalization``, ``Attention``, ``Gelu``, ``Swish``, ``Mish``,
-``LayerNormalization`` at some opsets...) are defined by the standard as *functions*: a body of
+Many ONNX ops (``Celu``, ``Swish``, the standard ``Attention``, ``CenterCropPad``,
+``NegativeLogLikelihoodLoss``...) are defined by the standard as *functions*: a body of
 simpler ops in the op's schema, the same expansion onnx's own ``*_expanded`` test models use.
 Where TVM 0.27's Relax frontend has no converter for such an op, the node is replaced by that
 body (for the model's opset, with the node's attributes and input types), repeatedly, until

@@ -322,7 +322,42 @@ def _converters() -> dict[str, Any]:
             gate = _unit_clamp(bb, shifted, 0.0, 6.0)
             return bb.emit(relax.op.multiply(x, relax.op.divide(gate, relax.const(6.0, dtype))))
 
+    class LayerNormalization(onnx_frontend.LayerNormalization):
+        """Normalizes over every axis from ``axis`` on, and computes the optional ``Mean`` and
+        ``InvStdDev`` outputs: TVM 0.27 takes the axes from the scale's rank (wrong for a
+        broadcast scale) and returns the constant 0 for both extra outputs (ONNX's
+        layer-norm test cases with them, e.g. axis 0, mismatched). Unused extra outputs are
+        removed by dead-code elimination; ``Y`` stays TVM's fused layer_norm."""
+
+        @classmethod
+        def _impl_v17(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            data, scale = inputs[0], inputs[1]
+            bias = inputs[2] if len(inputs) > 2 else None
+            ndim = data.ty.ndim
+            if ndim < 0 or scale.ty.shape is None:
+                return super()._impl_v17(bb, inputs, attr, params)
+            axis = int(attr.get("axis", -1)) % ndim
+            axes = list(range(axis, ndim))
+            eps = float(attr.get("epsilon", 1e-5))
+            dtype = data.ty.dtype
+            shape = list(data.ty.shape)[axis:]
+            # TVM's layer_norm wants gamma/beta of exactly the normalized shape.
+            gamma = bb.emit(relax.op.broadcast_to(scale, shape))
+            if bias is not None:
+                beta = bb.emit(relax.op.broadcast_to(bias, shape))
+            elif all(isinstance(d, tvm.tirx.IntImm) for d in shape):
+                beta = relax.const(np.zeros([int(d) for d in shape]), dtype)
+            else:
+                return super()._impl_v17(bb, inputs, attr, params)
+            y = bb.emit(relax.op.nn.layer_norm(data, gamma, beta, axes, eps))
+            mean = bb.emit(relax.op.mean(data, axes, keepdims=True))
+            centered = bb.emit(relax.op.subtract(data, mean))
+            var = bb.emit(relax.op.mean(relax.op.multiply(centered, centered), axes, keepdims=True))
+            inv = bb.emit(relax.op.rsqrt(relax.op.add(var, relax.const(eps, dtype))))
+            return relax.Tuple([y, mean, inv])
+
     return {
+        "LayerNormalization": LayerNormalization,
         "HardSigmoid": HardSigmoid,
         "HardSwish": HardSwish,
         "Range": Range,
