@@ -9,11 +9,17 @@ ratios differ between AVX-512 and AVX2-only hosts.
 
     python benchmarks/tvm_bench.py                      # CNN 64x64 + BERT seq 32, batches 1,16
     python benchmarks/tvm_bench.py --models cnn --size 112 --trials 64 --batches 1,8,32
+    python benchmarks/tvm_bench.py --json               # the results and goals as JSON
+
+On a host with AVX512-BF16 a ``tvm NHWC bf16`` row is added (precision bf16). The goals table
+at the end says met / not met: untuned TVM NHWC at least as fast as ONNX Runtime on the CNN
+(ratio <= 1.0) at every batch size, and the transformer within 1.25x of ONNX Runtime.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -132,8 +138,14 @@ def bert(hidden: int = 128, layers: int = 2, heads: int = 4) -> object | None:
     return Encoder().eval()
 
 
-def _run(title: str, path: Path, shapes: dict, configs: dict, feeds_of, batches, rounds) -> None:
+def _run(
+    title: str, path: Path, shapes: dict, configs: dict, feeds_of, batches, rounds, quiet=False
+) -> dict:
+    """Build every config, time them interleaved; print the table (unless ``quiet``) and
+    return ``{engine: {"build_s", "tune_s", "ms": {batch: ms}, "ratio": {batch: ratio}}}``."""
     import enginekit as ek
+
+    say = (lambda *a, **k: None) if quiet else print
 
     engines, build_s, tune_s = {}, {}, {}
     for name, options in configs.items():
@@ -142,23 +154,54 @@ def _run(title: str, path: Path, shapes: dict, configs: dict, feeds_of, batches,
         build_s[name] = time.perf_counter() - start
         tuning = engines[name].manifest["backend"].get("metadata", {}).get("tuning")
         tune_s[name] = tuning["seconds"] if tuning else 0.0
-        print(f"built {title} {name}: {build_s[name]:.1f} s", flush=True)
+        say(f"built {title} {name}: {build_s[name]:.1f} s", flush=True)
     results = {b: latency_ms(engines, feeds_of(b), rounds) for b in batches}
-    print(f"\n{title}; medians of interleaved rounds (lower is better); ratio = latency / ORT's")
+    say(f"\n{title}; medians of interleaved rounds (lower is better); ratio = latency / ORT's")
     header = f"{'engine':34s} {'build s':>8s} {'tune s':>7s}" + "".join(
         f" {'b' + str(b) + ' ms':>10s} {'ratio':>6s}" for b in batches
     )
-    print(header)
-    print("-" * len(header))
+    say(header)
+    say("-" * len(header))
+    table: dict = {}
     for name in engines:
         row = f"{name:34s} {build_s[name] - tune_s[name]:8.1f} {tune_s[name]:7.1f}"
+        table[name] = {
+            "build_s": round(build_s[name] - tune_s[name], 2),
+            "tune_s": round(tune_s[name], 2),
+            "ms": {},
+            "ratio": {},
+        }
         for b in batches:
             ms = results[b][name]
-            row += f" {ms:10.2f} {ms / results[b]['onnxruntime']:6.2f}"
-        print(row)
-    print(flush=True)
+            ratio = ms / results[b]["onnxruntime"]
+            row += f" {ms:10.2f} {ratio:6.2f}"
+            table[name]["ms"][b] = round(ms, 3)
+            table[name]["ratio"][b] = round(ratio, 3)
+        say(row)
+    say(flush=True)
     for engine in engines.values():
         engine.close()
+    return table
+
+
+#: (model, engine, the largest latency ratio to ONNX Runtime that meets the goal).
+GOALS = (("cnn", "tvm NHWC", 1.0), ("bert", "tvm", 1.25))
+
+
+def goals(report: dict) -> list[dict]:
+    """Each goal with the measured worst ratio over the batch sizes and met / not met."""
+    out = []
+    for model, engine, limit in GOALS:
+        row = report.get(model, {}).get(engine)
+        worst = max(row["ratio"].values()) if row else None
+        out.append(
+            {
+                "goal": f"{model}: {engine} latency <= {limit:g}x ONNX Runtime's",
+                "worst_ratio": worst,
+                "met": worst is not None and worst <= limit,
+            }
+        )
+    return out
 
 
 def main() -> None:
@@ -176,12 +219,17 @@ def main() -> None:
         "--trials", type=int, default=0, help="tuning trials per batch (default 0: none)"
     )
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json", action="store_true", help="print the results and goals as JSON")
     args = ap.parse_args()
+    quiet = args.json
+    say = (lambda *a, **k: None) if quiet else print
+    bf16 = "avx512_bf16" in target.cpu_flags()
+    report: dict = {"host": {"cpu": target.cpu_name(), "isa": sorted(target.cpu_flags())}}
     batches = [int(b) for b in args.batches.split(",")]
     top = max(batches)
     models = args.models.split(",")
     tmp = Path(tempfile.mkdtemp(prefix="enginekit-bench-tvm-"))
-    print(f"host: {target.cpu_name()}, ISA {' '.join(sorted(target.cpu_flags()))}", flush=True)
+    say(f"host: {target.cpu_name()}, ISA {' '.join(sorted(target.cpu_flags()))}", flush=True)
     rng = np.random.default_rng(0)
     if "cnn" in models:
         path = ek.export(
@@ -194,6 +242,8 @@ def main() -> None:
             "tvm NHWC": {"backend": "tvm", "layout": "NHWC"},
             "tvm NCHW": {"backend": "tvm", "layout": "NCHW"},
         }
+        if bf16:
+            configs["tvm NHWC bf16"] = {"backend": "tvm", "layout": "NHWC", "precision": "bf16"}
         if args.trials:
             configs[f"tvm NHWC tuned ({args.trials} trials)"] = {
                 "backend": "tvm",
@@ -204,14 +254,14 @@ def main() -> None:
         images = {
             b: rng.standard_normal((b, 3, args.size, args.size)).astype(np.float32) for b in batches
         }
-        _run(
+        report["cnn"] = _run(
             f"ResNet-style CNN, {args.size}x{args.size} inputs", path,
             {"x": [(1, 3, args.size, args.size), full, full]}, configs,
-            lambda b: {"x": images[b]}, batches, args.rounds,
+            lambda b: {"x": images[b]}, batches, args.rounds, quiet,
         )  # fmt: skip
     encoder = bert() if "bert" in models else None
     if "bert" in models and encoder is None:
-        print("bert: skipped (pip install transformers)")
+        say("bert: skipped (pip install transformers)")
     if encoder is not None:
         ids = torch.randint(0, 1000, (2, args.seq))
         path = ek.export(
@@ -220,11 +270,26 @@ def main() -> None:
         )  # fmt: skip
         shapes = {"input_ids": [(1, 1), (top, args.seq), (top, args.seq)]}
         tokens = {b: rng.integers(0, 1000, (b, args.seq)) for b in batches}
-        _run(
+        bert_configs: dict[str, dict] = {
+            "onnxruntime": {"backend": "onnxruntime"},
+            "tvm": {"backend": "tvm"},
+        }
+        if bf16:
+            bert_configs["tvm bf16"] = {"backend": "tvm", "precision": "bf16"}
+        report["bert"] = _run(
             f"BERT (hidden 128, 2 layers, 4 heads), sequence {args.seq}", path, shapes,
-            {"onnxruntime": {"backend": "onnxruntime"}, "tvm": {"backend": "tvm"}},
-            lambda b: {"input_ids": tokens[b]}, batches, args.rounds,
+            bert_configs, lambda b: {"input_ids": tokens[b]}, batches, args.rounds, quiet,
         )  # fmt: skip
+    report["goals"] = goals(report)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    print("goals")
+    for g in report["goals"]:
+        worst = "-" if g["worst_ratio"] is None else f"{g['worst_ratio']:.2f}"
+        print(f"  {g['goal']:52s} worst {worst:>5s}  {'met' if g['met'] else 'not met'}")
+    if not bf16:
+        print("  (no bf16 rows: this CPU has no AVX512-BF16)")
 
 
 if __name__ == "__main__":

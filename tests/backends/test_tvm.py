@@ -319,3 +319,19 @@ def test_axes_fed_as_a_graph_input_are_refused_naming_the_node(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
     with pytest.raises(ek.BuildError, match=r"axes of op 'ReduceSum' at node 'sum_rows'.*'axes'"):
         ek.build(path, backend="tvm", shapes={"x": [(2, 3)] * 3, "axes": [(1,)] * 3})
+
+
+def test_an_output_made_from_shapes_alone_comes_back_as_an_array(tmp_path):
+    # Shape(x)[1:] compiles to TVM's Shape (a tuple of ints), not a tensor: the engine read
+    # it as a list of outputs ("'int' object has no attribute '__dlpack__'").
+    graph = helper.make_graph(
+        [helper.make_node("Shape", ["x"], ["dims"], start=1)],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 5])],
+        [helper.make_tensor_value_info("dims", TensorProto.INT64, [2])],
+    )
+    path = tmp_path / "shape.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    with ek.build(path, backend="tvm", shapes={"x": [(1, 3, 5), (2, 3, 5), (4, 3, 5)]}) as e:
+        got = e.infer({"x": np.zeros((2, 3, 5), np.float32)})["dims"]
+        assert got.dtype == np.int64 and got.tolist() == [3, 5]

@@ -122,6 +122,10 @@ class TvmEngine(Engine):
         return tvm.runtime.tensor(np.ascontiguousarray(array), device=self._dev)
 
     def _from_tvm(self, value: Any) -> np.ndarray:
+        if isinstance(value, (tuple, int)):
+            # An output computed from shapes alone (ONNX Shape) comes back as TVM's Shape (a
+            # tuple of ints) or a plain int, not a tensor.
+            return np.asarray(value, dtype=np.int64)
         if self._cpu:
             return np.from_dlpack(value)  # zero copy; the array keeps the TVM tensor alive
         return value.numpy()
@@ -130,7 +134,8 @@ class TvmEngine(Engine):
         key = tuple(a.shape for a in feeds.values())
         lib = self._static.get(key, self._dynamic)
         result = self._main(lib)(*[self._to_tvm(a) for a in feeds.values()])
-        values = [result] if hasattr(result, "__dlpack__") else list(result)
+        single = hasattr(result, "__dlpack__") or isinstance(result, (tuple, int))
+        values = [result] if single else list(result)
         return {n: self._from_tvm(v) for n, v in zip(self._out_names, values)}
 
     def _close(self) -> None:
