@@ -53,10 +53,10 @@ def test_every_unsupported_node_is_listed_at_once():
 def test_unsupported_attribute_value_names_the_node():
     m = graphs.cnn(20)
     bn = next(n for n in m.graph.node if n.op_type == "BatchNormalization")
-    bn.name = "bn_train"
-    bn.attribute.append(__import__("onnx").helper.make_attribute("training_mode", 1))
+    bn.name = "bn_per_activation"
+    bn.attribute.append(__import__("onnx").helper.make_attribute("spatial", 0))
     lowered = lower.lower(m)
-    with pytest.raises(BuildError, match=r"bn_train.*training_mode"):
+    with pytest.raises(BuildError, match=r"bn_per_activation.*spatial=0"):
         _run(lowered, np.zeros((1, 3, 8, 8), np.float32))
 
 

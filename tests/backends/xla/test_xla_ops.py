@@ -49,9 +49,8 @@ EXCLUDED = {
         "reference rounds after every op; they differ past the test's rtol 1e-3 (the backend "
         "builds fp32 engines only)"
     ),
-    r"training_mode|training_dropout(?!_zero_ratio)": (
-        "training-mode BatchNormalization/Dropout (batch statistics, random masks): the "
-        "backend builds inference engines"
+    r"training_dropout(?!_zero_ratio)": (
+        "training-mode Dropout (random masks): the backend builds inference engines"
     ),
     r"maxpool_with_argmax": "MaxPool's second output (Indices) is not supported",
     r"^test_identity_(opt|sequence)$|^test_if_(opt|seq)$|^test_loop13_seq$|^test_loop16_seq_none$": (

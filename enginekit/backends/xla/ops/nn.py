@@ -219,7 +219,9 @@ def BatchNormalization(
     channels_last: bool = False,
 ) -> Any:
     if training_mode:
-        raise OpError("BatchNormalization training_mode=1 (batch statistics) is not supported")
+        return _batch_norm_training(
+            X, scale, B, input_mean, input_var, epsilon, momentum, channels_last
+        )
     if not spatial:
         raise OpError("BatchNormalization spatial=0 (per-activation statistics) is not supported")
     rank = X.ndim
@@ -227,6 +229,32 @@ def BatchNormalization(
     inv = scale / m.sqrt(input_var + np.asarray(epsilon, dtype=input_var.dtype))
     mean = per_channel(input_mean, rank, channels_last)
     return (X - mean) * per_channel(inv, rank, channels_last) + per_channel(B, rank, channels_last)
+
+
+def _batch_norm_training(
+    X: Any,
+    scale: Any,
+    B: Any,
+    input_mean: Any,
+    input_var: Any,
+    epsilon: float,
+    momentum: float,
+    channels_last: bool,
+) -> tuple[Any, Any, Any]:
+    """training_mode=1 (opset 14+): normalized with the batch's own statistics; also returns the
+    running mean and variance updated with them (what the spec's outputs 1 and 2 are)."""
+    rank = X.ndim
+    kept = channel_axis(rank, channels_last)
+    over = tuple(a for a in range(rank) if a != kept)
+    x = jnp.asarray(X)
+    mean = jnp.mean(x, axis=over)
+    var = jnp.var(x, axis=over)
+    inv = scale / jnp.sqrt(var + jnp.asarray(epsilon, x.dtype))
+    y = (x - per_channel(mean, rank, channels_last)) * per_channel(inv, rank, channels_last)
+    y = y + per_channel(B, rank, channels_last)
+    running_mean = input_mean * momentum + mean * (1 - momentum)
+    running_var = input_var * momentum + var * (1 - momentum)
+    return y.astype(x.dtype), running_mean.astype(x.dtype), running_var.astype(x.dtype)
 
 
 def InstanceNormalization(
