@@ -9,12 +9,15 @@ Prints, in one run, side by side (the host's CPU, ISA flags and load first):
      the output's largest magnitude); then the goals table (XLA fp32 >= 1.0x ONNX Runtime per
      family and batch; reduced precisions pass verification), met or not met. ``--json``
      prints the same as one JSON report;
-  1. ``--part layouts``: median latency at batch 1 and 32 of ONNX Runtime (default session) and
+  1. ``--part values``: ONNX's backend test cases that feed shape-like values as inputs (Reshape's
+     shape, Range limits, Resize sizes, ...) through build + load on XLA, against the cases raw
+     ONNX Runtime passes;
+  2. ``--part layouts``: median latency at batch 1 and 32 of ONNX Runtime (default session) and
      of the XLA engine for each layout (nhwc, nchw) and XLA option set (xla-default, ynn-off);
-  2. what `layout=auto, xla_flags=auto` picks at build time;
-  3. compile seconds per batch bucket (1, 2, 4, ..., 32) of one engine fed batches 1..32.
+  3. what `layout=auto, xla_flags=auto` picks at build time;
+  4. compile seconds per batch bucket (1, 2, 4, ..., 32) of one engine fed batches 1..32.
 
-    python benchmarks/xla.py [--part real|layouts|all] [--precisions fp32,bf16] [--json]
+    python benchmarks/xla.py [--part real|values|layouts|all] [--precisions fp32,bf16] [--json]
 """
 
 from __future__ import annotations
@@ -216,6 +219,37 @@ def print_real(rows: list[dict], met: list[dict]) -> None:
         print(f"  {'met    ' if g['met'] else 'NOT MET'}  {g['goal']:<52} {shown[:60]}")
 
 
+def run_values(dirs: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Part ``values``: ONNX's backend test cases that have value inputs (inputs whose values
+    decide shapes, enginekit/backends/xla/values.py) through ``ek.build`` + ``ek.load`` on XLA,
+    against the cases raw ONNX Runtime passes (benchmarks/onnx_testdata.py's runner)."""
+    import importlib.util
+
+    import onnx
+
+    from enginekit.backends.xla import values
+
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks_onnx_testdata", Path(__file__).with_name("onnx_testdata.py")
+    )
+    runner = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules.setdefault("benchmarks_onnx_testdata", runner)  # its dataclasses look it up
+    spec.loader.exec_module(runner)  # type: ignore[union-attr]
+    cases, _ = runner.cases(list(dirs or runner.DIRS))
+    picked = [c for c in cases if values.find(onnx.load(str(c.model), load_external_data=False))]
+    raw, failed = 0, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in picked:
+            if runner.run_raw(case) is not None:
+                continue
+            raw += 1
+            error, _ = runner.run_enginekit(case, "xla", Path(tmp))
+            if error is not None:
+                failed[f"{case.dir}/{case.name}"] = error
+    return {"cases": len(picked), "raw_onnxruntime": raw, "xla": raw - len(failed),
+            "failed": failed}  # fmt: skip
+
+
 def host() -> dict[str, Any]:
     """The CPU and the ISA flags that decide reduced-precision speed."""
     import os
@@ -232,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     import json
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("real", "layouts", "all"), default="real")
+    parser.add_argument("--part", choices=("real", "values", "layouts", "all"), default="real")
     parser.add_argument("--cnn", default=MODELS["cnn"], help="corpus entry timed as the CNN")
     parser.add_argument("--transformer", default=MODELS["transformer"], help="corpus entry")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="e.g. fp32,bf16,fp16")
@@ -254,6 +288,20 @@ def main(argv: list[str] | None = None) -> None:
         report["rows"], report["goals"] = rows, goals(rows, precisions)
         if not args.json:
             print_real(rows, report["goals"])
+    if args.part in ("values", "all"):
+        report["values"] = found = run_values()
+        share = found["xla"] / max(found["raw_onnxruntime"], 1)
+        report.setdefault("goals", []).append({
+            "goal": "ONNX test cases with value inputs: xla >= 0.95x raw ONNX Runtime's passes",
+            "value": round(share, 3),
+            "met": share >= 0.95,
+        })  # fmt: skip
+        if not args.json:
+            print(f"\nONNX test cases with value inputs: {found['cases']}; raw ONNX Runtime "
+                  f"passes {found['raw_onnxruntime']}, xla {found['xla']}")  # fmt: skip
+            for name, error in found["failed"].items():
+                print(f"  {name}: {error[:150]}")
+            print(f"  {'met    ' if share >= 0.95 else 'NOT MET'}  {share:.3f} of raw (goal 0.95)")
     if args.part in ("layouts", "all"):
         import torch
 
