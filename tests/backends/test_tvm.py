@@ -291,7 +291,7 @@ def test_error_line_skips_the_printer_footer_of_a_printed_expression():
     # "# Metadata omitted..." footer; enginekit's one-line messages show the failure instead.
     from tvm import relax
 
-    from enginekit.backends.tvm.lower import error_line
+    from enginekit.backends.tvm.messages import error_line
 
     x = relax.Var("x", relax.TensorType((2, 3), "float32"))
     printed = str(relax.op.add(x, relax.const(np.ones((2, 3), "float32"))))

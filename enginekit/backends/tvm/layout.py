@@ -15,7 +15,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from enginekit.backends.tvm.lower import error_line
+from enginekit.backends.tvm.messages import error_line
 from enginekit.errors import BuildError
 
 log = logging.getLogger(__name__)
