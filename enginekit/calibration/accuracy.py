@@ -10,10 +10,11 @@ into a pass or a VerificationError.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import onnx
 
 from enginekit.engine import Engine
 from enginekit.errors import BuildError
@@ -193,3 +194,24 @@ def summarize(report: Mapping[str, Any]) -> str:
             text += f", top-1 agreement {o['top1_agreement']:.2%} of {o['rows']}"
         parts.append(text)
     return "; ".join(parts)
+
+
+Feeds = Mapping[str, np.ndarray]
+
+
+def _session(proto: onnx.ModelProto, threads: int = 0) -> Any:
+    import onnxruntime as ort
+
+    from enginekit.model import ort_severity, quiet_onnxruntime
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    quiet_onnxruntime()
+    opts.log_severity_level = ort_severity()
+    return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def ort_runner(proto: onnx.ModelProto) -> Callable[[Feeds], Sequence[np.ndarray]]:
+    """A runner over an ONNX Runtime CPU session: feeds -> outputs in graph order."""
+    session = _session(proto)
+    return lambda feeds: session.run(None, dict(feeds))

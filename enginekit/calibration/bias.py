@@ -103,7 +103,7 @@ def _input_means(
     source: onnx.ModelProto, names: Sequence[str], rows: Sequence[Mapping[str, np.ndarray]]
 ) -> dict[str, np.ndarray]:
     """Per-channel (axis 1) mean of each named tensor of the float model over ``rows``."""
-    from enginekit.calibration.search import ort_runner
+    from enginekit.calibration.accuracy import ort_runner
 
     model = copy.deepcopy(source)
     have = {o.name for o in model.graph.output}

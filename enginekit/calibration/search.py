@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 
 from enginekit import target as host_target
+from enginekit.calibration.accuracy import ort_runner
 from enginekit.calibration.bias import correct_bias
 from enginekit.calibration.fallback import keep_float, quantized_nodes
 from enginekit.calibration.table import CalibrationTable
@@ -167,26 +168,8 @@ def fallback_precision(
 # -- measuring ---------------------------------------------------------------------------------
 
 
-def _session(proto: onnx.ModelProto, threads: int = 0) -> Any:
-    import onnxruntime as ort
-
-    from enginekit.model import ort_severity, quiet_onnxruntime
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    quiet_onnxruntime()
-    opts.log_severity_level = ort_severity()
-    return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-
-
 #: Runs a model: proto -> (feeds -> outputs in graph order).
 Runner = Callable[[onnx.ModelProto], Callable[[Feeds], Sequence[np.ndarray]]]
-
-
-def ort_runner(proto: onnx.ModelProto) -> Callable[[Feeds], Sequence[np.ndarray]]:
-    """The default :data:`Runner`: an ONNX Runtime CPU session."""
-    session = _session(proto)
-    return lambda feeds: session.run(None, dict(feeds))
 
 
 def _run(run: Callable[[Feeds], Sequence[np.ndarray]], rows: Sequence[Feeds]) -> list[Any]:

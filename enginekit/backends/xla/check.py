@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 import onnx
-from onnx import numpy_helper
 
+from enginekit.backends.xla.nodes import IGNORED_ATTRS, node_label, subgraphs
 from enginekit.errors import BuildError
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -19,38 +19,11 @@ DEFAULT_DOMAINS = ("", "ai.onnx")
 LEGACY_BINARY = frozenset(
     {"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Less", "Greater"}
 )
-#: Attributes old opsets carry that change nothing at inference time.
-IGNORED_ATTRS = frozenset({"consumed_inputs"})
 
 
 def opset_of(proto: onnx.ModelProto) -> int:
     """The model's default-domain opset."""
     return next((o.version for o in proto.opset_import if o.domain in DEFAULT_DOMAINS), 1)
-
-
-def attributes(node: onnx.NodeProto) -> dict[str, Any]:
-    """A node's attributes as Python values (strings decoded, tensors as numpy)."""
-    out: dict[str, Any] = {}
-    for attr in node.attribute:
-        if attr.name in IGNORED_ATTRS:
-            continue
-        if attr.type == onnx.AttributeProto.TENSOR:
-            out[attr.name] = numpy_helper.to_array(attr.t)
-            continue
-        if attr.type == onnx.AttributeProto.SPARSE_TENSOR:
-            out[attr.name] = attr.sparse_tensor
-            continue
-        value = onnx.helper.get_attribute_value(attr)
-        if isinstance(value, bytes):
-            value = value.decode("utf-8")
-        elif isinstance(value, list) and value and isinstance(value[0], bytes):
-            value = [v.decode("utf-8") for v in value]
-        out[attr.name] = value
-    return out
-
-
-def node_label(node: onnx.NodeProto, index: int) -> str:
-    return f"{node.name or f'#{index}'} ({node.op_type})"
 
 
 def _accepted_attrs(fn: Callable[..., Any]) -> set[str] | None:
@@ -63,17 +36,6 @@ def _accepted_attrs(fn: Callable[..., Any]) -> set[str] | None:
 def _takes_branches(fn: Callable[..., Any]) -> bool:
     """Whether the op function lowers subgraphs (If): it has a ``run`` parameter."""
     return "run" in inspect.signature(fn).parameters
-
-
-def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    """The graphs held in a node's attributes (If's branches, Loop's body)."""
-    found: list[onnx.GraphProto] = []
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            found.append(attr.g)
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            found.extend(attr.graphs)
-    return found
 
 
 def _type_problem(value: onnx.ValueInfoProto) -> str | None:

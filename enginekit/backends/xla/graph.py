@@ -8,8 +8,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from enginekit.backends.xla.check import attributes, subgraphs
-from enginekit.errors import BuildError
+from enginekit.backends.xla.nodes import attributes, uses
 
 
 def prepare(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -19,50 +18,6 @@ def prepare(proto: onnx.ModelProto) -> onnx.ModelProto:
 
         return inliner.inline_local_functions(proto)
     return proto
-
-
-def outer_names(graph: onnx.GraphProto) -> set[str]:
-    """Names a (sub)graph reads from the scope around it."""
-    own = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
-    own |= {o for n in graph.node for o in n.output}
-    return {name for n in graph.node for name in uses(n)} - own
-
-
-def uses(node: onnx.NodeProto) -> list[str]:
-    """Every tensor a node reads: its inputs, and what its subgraphs take from outside."""
-    implicit = sorted({name for g in subgraphs(node) for name in outer_names(g)})
-    return [*node.input, *implicit]
-
-
-def topological(
-    graph: onnx.GraphProto, outer: frozenset[str] = frozenset()
-) -> list[onnx.NodeProto]:
-    """Nodes in an order where every input is produced before use.
-
-    Args:
-        outer: names a subgraph may read from the scope around it.
-
-    Raises:
-        BuildError: a cycle, or an input nothing produces.
-    """
-    known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""} | outer
-    pending = list(graph.node)
-    needs = {id(n): uses(n) for n in pending}
-    ordered: list[onnx.NodeProto] = []
-    while pending:
-        ready = [n for n in pending if all(i in known for i in needs[id(n)])]
-        if not ready:
-            missing = sorted({i for n in pending for i in needs[id(n)] if i not in known})
-            raise BuildError(
-                f"the graph cannot be ordered: tensor(s) {', '.join(missing[:5])} are used but "
-                "never produced (a cycle, or a subgraph-only value)"
-            )
-        ready_ids = {id(n) for n in ready}
-        ordered.extend(ready)
-        for n in ready:
-            known.update(n.output)
-        pending = [n for n in pending if id(n) not in ready_ids]
-    return ordered
 
 
 def pretransposed_gemms(

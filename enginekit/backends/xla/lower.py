@@ -27,15 +27,9 @@ from onnx import numpy_helper
 from enginekit.backends.xla import graph as graph_
 from enginekit.backends.xla import layout as lay
 from enginekit.backends.xla import precision as reduced
-from enginekit.backends.xla.check import (
-    LEGACY_BINARY,
-    attributes,
-    check,
-    node_label,
-    opset_of,
-    subgraphs,
-)
-from enginekit.backends.xla.graph import prepare, topological, uses
+from enginekit.backends.xla.check import LEGACY_BINARY, check, opset_of
+from enginekit.backends.xla.graph import prepare
+from enginekit.backends.xla.nodes import attributes, node_label, subgraphs, topological, uses
 from enginekit.errors import BuildError
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from enginekit.backends.xla.check import node_label, subgraphs
+from enginekit.backends.xla.nodes import node_label, subgraphs
 from enginekit.config import ShapeProfile
 from enginekit.engine import TensorSpec
 from enginekit.errors import BuildError
@@ -79,7 +79,7 @@ def _walk(
 ) -> None:
     """Propagate, per tensor, the inputs its values (``values``) and shape (``shapes``) depend
     on, in place; record in ``found`` each input reaching a compile-time operand."""
-    from enginekit.backends.xla.graph import topological, uses
+    from enginekit.backends.xla.nodes import topological, uses
 
     empty: frozenset[str] = frozenset()
     for index, node in enumerate(topological(graph, frozenset(values) | frozenset(shapes))):

@@ -220,6 +220,7 @@ OPS: dict[str, Entry] = {
     "QuantizeLinear": quant.QuantizeLinear,
     "DequantizeLinear": quant.DequantizeLinear,
 }
+loop.TABLE.update(OPS)
 
 
 def resolve(op_type: str, opset: int) -> OpFunction | None:

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from enginekit.backends.xla.nodes import attributes, node_label, outer_names, subgraphs, topological
 from enginekit.backends.xla.ops.common import OpError, is_static, to_jax
 
 Runner = Callable[[Any], Sequence[Any]]
@@ -29,8 +30,6 @@ MAX_UNROLL = 1024
 
 def _outer_values(graph: onnx.GraphProto, run: Runner | None) -> dict[str, Any]:
     """The values ``graph`` reads from the scope around it, fetched through ``run``."""
-    from enginekit.backends.xla.graph import outer_names
-
     names = sorted(outer_names(graph))
     if not names:
         return {}
@@ -42,10 +41,13 @@ def _outer_values(graph: onnx.GraphProto, run: Runner | None) -> dict[str, Any]:
     return dict(zip(names, run(probe)))
 
 
-def _resolve(op_type: str) -> Any:
-    from enginekit.backends.xla.ops import OPS
+#: The op table, filled in by ``ops/__init__`` once it is built: it holds Loop and Scan
+#: themselves, so this module cannot import it.
+TABLE: dict[str, Any] = {}
 
-    entry = OPS.get(op_type)
+
+def _resolve(op_type: str) -> Any:
+    entry = TABLE.get(op_type)
     if entry is None:
         raise OpError(f"op {op_type} is not supported")
     if not callable(entry):
@@ -58,9 +60,6 @@ def _resolve(op_type: str) -> Any:
 
 def evaluate(graph: onnx.GraphProto, feeds: dict[str, Any], scope: dict[str, Any]) -> list[Any]:
     """Lower ``graph``'s nodes on ``feeds`` (its inputs) and ``scope`` (outer values)."""
-    from enginekit.backends.xla.check import attributes, node_label, subgraphs
-    from enginekit.backends.xla.graph import topological
-
     values = {**scope, **feeds}
     values.update({t.name: numpy_helper.to_array(t) for t in graph.initializer})
     for index, node in enumerate(topological(graph, frozenset(values))):
