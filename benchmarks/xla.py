@@ -32,7 +32,11 @@ from typing import Any
 
 import numpy as np
 
-import enginekit as ek
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # this checkout's enginekit, not an installed one
+    sys.path.insert(0, str(ROOT))
+
+import enginekit as ek  # noqa: E402
 
 BATCHES = (1, 32)
 
