@@ -327,7 +327,9 @@ def _tune(
         return [{"layout": layout, "flags": next(iter(flag_sets)), "ms": None, "compile_s": None}]
     profile = config.profiles[0] if config.profiles else None
     shapes = concrete_shapes(specs, profile, "opt")
-    batched = all(s.shape and isinstance(s.shape[0], str) for s in model.inputs)
+    batched = bool(model.inputs) and all(
+        s.shape and isinstance(s.shape[0], str) for s in model.inputs
+    )
     if batched and opts.buckets == "pow2":
         cap = min(p[n].max[0] for p in config.profiles[:1] for n in p) if config.profiles else None
         shapes = {n: (bucket(s[0], cap), *s[1:]) for n, s in shapes.items()}

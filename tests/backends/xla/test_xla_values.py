@@ -199,3 +199,19 @@ def test_example_values_that_do_not_lower_leave_compiling_to_first_use(tmp_path,
         assert engine.exported is None
         got = engine.infer({"x": x, "shape": np.array([3, 4], np.int64)})["y"]
         np.testing.assert_array_equal(got, x.reshape(3, 4))
+
+
+def test_model_without_inputs_builds(tmp_path):
+    """A model with no graph input (a constant output) has nothing to bucket by batch."""
+    const = helper.make_tensor("c", TensorProto.FLOAT, [2], [1.0, 2.0])
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["y"], value=const)],
+        "constant_only",
+        [],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "const.onnx"
+    path.write_bytes(model.SerializeToString())
+    with ek.build(str(path), backend="xla") as engine:
+        np.testing.assert_array_equal(engine.infer({})["y"], [1.0, 2.0])
