@@ -33,6 +33,7 @@ from enginekit.batcher.metrics import Metrics, prometheus, snapshot
 from enginekit.batcher.policy import ArrivalRate, CostModel, decide, take_size
 from enginekit.batcher.queue import WaitQueue
 from enginekit.batcher.request import Key, Layout, Request
+from enginekit.batcher.slot import resolve_all, start_all
 from enginekit.engine import Engine
 from enginekit.errors import (
     BatcherClosed,
@@ -351,7 +352,8 @@ class Batcher:
         self, requests: list[Request], buffers: dict[Any, np.ndarray]
     ) -> tuple[list[Request], dict[str, np.ndarray] | BaseException, int]:
         """Mark the taken requests running (dropping cancelled ones) and collate them."""
-        live = [r for r in requests if r.future.set_running_or_notify_cancel()]
+        started = start_all([r.future for r in requests])
+        live = requests if all(started) else [r for r, ok in zip(requests, started) if ok]
         if len(live) < len(requests):
             self._done.put(("cancelled", len(requests) - len(live)))
         rows = sum([r.rows for r in live])
@@ -520,12 +522,11 @@ class Batcher:
             m = self._metrics
             m.outcomes["completed" if ok else "failed"] += len(requests)
             m.add_many("latency", latencies)
+        futures = [r.future for r in requests]
         if ok:
-            for r, res in zip(requests, results):
-                r.future.set_result(res)
+            resolve_all(futures, results)
         else:
-            for r in requests:
-                r.future.set_exception(outputs)
+            resolve_all(futures, None, outputs)
 
     def _fail_expired(self, expired: list[Request]) -> None:
         now = time.monotonic()

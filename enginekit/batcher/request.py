@@ -8,7 +8,6 @@ keys and are batched separately — or, with padding on, grouped by the bucket t
 
 from __future__ import annotations
 
-import concurrent.futures
 import difflib
 import math
 from collections.abc import Mapping, Sequence
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from enginekit.batcher.slot import Slot
 from enginekit.engine import Engine, to_numpy
 from enginekit.errors import EngineInputError, UsageError
 
@@ -54,7 +54,7 @@ class Request:
         self.feeds = feeds
         # lengths: padded symbol -> this request's own size (padding only)
         self.single, self.rows, self.key, self.lengths = form
-        self.future: concurrent.futures.Future[dict[str, np.ndarray]] = concurrent.futures.Future()
+        self.future = Slot()
         self.priority = priority
         self.seq = 0
         self.arrival = arrival
