@@ -30,7 +30,8 @@ import ray
 
 from enginekit.dataset.batches import Batch, rebatch
 from enginekit.dataset.columns import check_rows
-from enginekit.dataset.sources import ParquetSource, Piece, Source
+from enginekit.dataset.parquet import ParquetSource
+from enginekit.dataset.sources import Piece, Source
 from enginekit.errors import ArtifactError, UsageError
 
 
