@@ -3,7 +3,9 @@ compiled to a shared library; optionally MetaSchedule-tuned for the batch sizes 
 
 Payload: ``model.so`` (symbolic batch: one module for every shape in the profiles),
 ``model-b<N>.so`` (a tuned static module per tuned batch size) and ``kernels.json`` (what the
-program became, for ``enginekit inspect``). Libraries are loaded only from bytes whose SHA-256
+program became, for ``enginekit inspect``); with value inputs (inputs whose values decide
+shapes, :mod:`.values`) also ``model.onnx``, from which each new set of values compiles its
+program at inference. Libraries are loaded only from bytes whose SHA-256
 matched the manifest. See docs/backends/tvm.md.
 """
 
@@ -38,6 +40,8 @@ PRECISIONS = ("fp32", "bf16")
 #: Distributions `enginekit backends` reads the version from without importing TVM (~2.5 s).
 PACKAGES = ("apache-tvm", "apache-tvm-ffi")
 KERNELS = "kernels.json"
+#: The ONNX model, kept when value inputs need programs compiled at inference (values.py).
+MODEL = "model.onnx"
 
 OPTIONS = {
     "layout": "NHWC (default on CPU: conv2d and its neighbours in NHWC activations / HWIO "
@@ -222,9 +226,10 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     spec = tune.parse_tune(config.options.get("tune"), _default_batch(config, model))
     if spec is not None:
         tune.require_tuning_deps()
+    found, example = _value_inputs(model, config)
     start = time.perf_counter()
     with step("importing ONNX into Relax"):
-        mod = frontend.import_onnx(model)
+        mod = frontend.import_onnx(model, values=example)
     fallback = None
     try:
         graph, kernels, scheduled, barriers = _lower(mod, target, opts, workdir)
@@ -243,7 +248,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     modules: list[dict[str, Any]] = [{"file": DYNAMIC, "shapes": None}]
     tuning = None
     if spec is not None:
-        modules, tuning = _tuned_modules(model, config, opts, target, spec, workdir)
+        modules, tuning = _tuned_modules(model, config, opts, target, spec, workdir, example)
         files += [m["file"] for m in modules]
         modules.insert(0, {"file": DYNAMIC, "shapes": None})
     summary = lower.graph_summary(graph)
@@ -252,6 +257,11 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         json.dumps({"graph": summary, "kernels": kernels}, indent=1), encoding="utf-8"
     )
     files.append(KERNELS)
+    if found:
+        from enginekit.backends import values
+
+        values.save_model(workdir / MODEL, model.proto)
+        files.append(MODEL)
     cross = _cross(requirements, config.device)
     metadata = {
         "layout": layout,
@@ -269,8 +279,34 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "compile_s": round(compile_s, 3),
         "tuning": tuning,
         "cross_compiled": cross,
+        "value_inputs": _values_metadata(found, example),
     }
     return BuildResult(files=tuple(files), metadata=metadata, target=requirements)
+
+
+def _value_inputs(model: Model, config: BuildConfig) -> tuple[dict[str, str], dict[str, Any]]:
+    """(value inputs -> what each feeds, their values at the first verification point).
+
+    Raises:
+        BuildError: a value input may hold more than ``values.VALUE_LIMIT`` elements.
+    """
+    from enginekit.backends import values
+    from enginekit.backends.tvm.values import find
+
+    found = find(model.proto)
+    if not found:
+        return {}, {}
+    sizes = values.max_sizes(model.inputs, config.profiles)
+    values.check_sizes(found, sizes, model.label, backend="TVM")
+    example = values.example_values(model, config.profiles, config.seed, found)
+    log.info("tvm: value inputs %s, compiled for %s", list(found), values.describe(example))
+    return found, example
+
+
+def _values_metadata(found: Mapping[str, str], example: Mapping[str, Any]) -> Any:
+    from enginekit.backends import values
+
+    return values.metadata(found, example, DYNAMIC, None, MODEL)
 
 
 def _bf16_ops(graph: Any) -> int:
@@ -286,6 +322,7 @@ def _tuned_modules(
     target: Any,
     spec: Any,
     workdir: Path,
+    example: Mapping[str, Any],
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from enginekit.backends.tvm import frontend, lower, tune
 
@@ -302,7 +339,7 @@ def _tuned_modules(
         shapes = _static_shapes(model, config, batch)
         label = f"batch {batch}"
         with step(f"tuning {label} ({spec.trials} trials)"):
-            mod = frontend.import_onnx(model, shapes)
+            mod = frontend.import_onnx(model, shapes, values=example)
             _, fused, _ = lower.optimize(mod, target, opts["layout"], opts["precision"])
             runs[str(batch)] = tune.tune(fused, target, spec, db_dir, label)
         name = f"model-b{batch}.so"
@@ -317,7 +354,7 @@ def _tuned_modules(
         )
     if config.verify and not _cross(lower.target_requirements(target), config.device):
         with step("verifying the tuned modules against ONNX Runtime CPU"):
-            _verify_static(model, config, modules, workdir)
+            _verify_static(model, config, modules, workdir, example)
     tuning = {
         "trials": spec.trials,
         "batch_sizes": list(spec.batch_sizes),
@@ -330,7 +367,11 @@ def _tuned_modules(
 
 
 def _verify_static(
-    model: Model, config: BuildConfig, modules: list[dict[str, Any]], workdir: Path
+    model: Model,
+    config: BuildConfig,
+    modules: list[dict[str, Any]],
+    workdir: Path,
+    example: Mapping[str, Any],
 ) -> None:
     """Tuned modules answer the batches verify_engine does not reach: check each here."""
     import tvm
@@ -344,10 +385,11 @@ def _verify_static(
     atol, rtol = config.tolerance
     for i, entry in enumerate(modules):
         shapes = {k: tuple(v) for k, v in entry["shapes"].items()}
-        feeds = random_feeds(model.inputs, shapes, seed=config.seed + 100 + i)
+        feeds = random_feeds(model.inputs, shapes, seed=config.seed + 100 + i) | dict(example)
         ref = dict(zip(names, session.run(names, feeds)))
         vm = relax.VirtualMachine(tvm.runtime.load_module(str(workdir / entry["file"])), tvm.cpu())
-        out = vm["main"](*[tvm.runtime.tensor(feeds[s.name]) for s in model.inputs])
+        args = [tvm.runtime.tensor(feeds[s.name]) for s in model.inputs if s.name not in example]
+        out = vm["main"](*args)
         values = [out] if hasattr(out, "numpy") else list(out)
         got = {n: v.numpy() for n, v in zip(names, values)}
         report = compare_outputs(got, ref, atol, rtol)
@@ -402,7 +444,25 @@ def load(artifact: Artifact, device: str) -> Engine:
             static.append(({k: tuple(v) for k, v in entry["shapes"].items()}, lib))
     if dynamic is None:
         raise ArtifactError(f"{artifact.path}: the manifest lists no dynamic module ({DYNAMIC})")
-    return TvmEngine(manifest, dynamic, static, device)
+    compiler, build_values = _compiler(artifact, meta)
+    return TvmEngine(manifest, dynamic, static, device, compiler, build_values)
+
+
+def _compiler(artifact: Artifact, meta: Mapping[str, Any]) -> tuple[Any, Any]:
+    """For an artifact with value inputs: what compiles a program for new values, and the
+    values its stored program was compiled for; (None, None) otherwise."""
+    spec = meta.get("value_inputs")
+    if not spec:
+        return None, None
+    from enginekit.backends.tvm.values import Compiler, Recipe
+    from enginekit.backends.values import from_json
+
+    inputs = artifact.manifest["inputs"]
+    names = tuple(i["name"] for i in inputs if i["name"] in spec["inputs"])
+    dtypes = {i["name"]: i["dtype"] for i in inputs}
+    compiler = Compiler(artifact.read(spec["model"]), dtypes, names, Recipe.from_metadata(meta))
+    stored = spec["programs"]
+    return compiler, from_json(stored[0]["values"]) if stored else None
 
 
 # -- inspect -----------------------------------------------------------------------------------
@@ -432,6 +492,7 @@ def inspect(artifact: Artifact, ir: bool = False) -> dict[str, Any]:
             for m in meta.get("modules", [])
         ],
         "tuning": meta.get("tuning"),
+        "value_inputs": (meta.get("value_inputs") or {}).get("inputs"),
     }
     if ir:
         info["kernel_blocks"] = {k["name"]: k["blocks"] for k in kernels}

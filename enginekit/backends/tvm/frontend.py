@@ -16,6 +16,8 @@ from enginekit.errors import BuildError
 from enginekit.quiet import held_output
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from enginekit.model import Model
 
 log = logging.getLogger(__name__)
@@ -232,28 +234,48 @@ def _version() -> str:
     return str(tvm.__version__)
 
 
-def import_onnx(model: Model, shapes: Mapping[str, tuple[int, ...]] | None = None) -> Any:
+def import_onnx(
+    model: Model,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    values: Mapping[str, np.ndarray] | None = None,
+) -> Any:
     """The model as a Relax IRModule; weights become constants.
 
     Args:
         model: the ONNX model.
         shapes: static input shapes (for a tuned module); None keeps the model's symbolic
             dims, so one compiled module serves every batch size.
+        values: values of value inputs (:mod:`enginekit.backends.tvm.values`), compiled in as
+            constants; those inputs are no longer the program's.
 
     Raises:
         BuildError: an unsupported op, or the importer failed on the graph.
     """
+    proto = model.proto
+    if values:
+        from enginekit.backends.values import bind
+
+        proto = bind(proto, values)
+    dtypes = {s.name: s.dtype for s in model.inputs if not values or s.name not in values}
+    return import_proto(proto, dtypes, shapes)
+
+
+def import_proto(
+    source: Any,
+    dtypes: Mapping[str, str],
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> Any:
+    """:func:`import_onnx` on a ModelProto whose graph inputs have the ``dtypes`` given."""
     from tvm.relax.frontend.onnx import from_onnx
 
     from enginekit.backends.tvm.expand import constant_values, expand_functions
 
-    proto, expanded = expand_functions(model.proto, set(supported_ops()))
+    proto, expanded = expand_functions(source, set(supported_ops()))
     proto = constant_values(proto)
     if expanded:
         log.info("tvm: expanded to their ONNX function bodies: %s", ", ".join(expanded))
         proto = _folded(proto)
     check_nodes(proto)
-    dtypes = {s.name: s.dtype for s in model.inputs}
     try:
         # The frontend re-runs onnx.checker and turns its complaints into warnings, and prints
         # "Error converting operator ..." itself: the BuildError below says it once.
@@ -266,7 +288,7 @@ def import_onnx(model: Model, shapes: Mapping[str, tuple[int, ...]] | None = Non
             mod = from_onnx(
                 scalar_reshapes_to_unsqueeze(proto),
                 shape_dict={k: list(v) for k, v in shapes.items()} if shapes else None,
-                dtype_dict=dtypes,
+                dtype_dict=dict(dtypes),
                 keep_params_in_input=False,
                 sanitize_input_names=True,
             )

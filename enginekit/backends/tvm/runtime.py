@@ -2,7 +2,9 @@
 
 A build holds one dynamic module (symbolic batch, serves every shape in the profiles) and
 optionally tuned static modules, one per batch size; ``_run`` picks the static module whose
-input shapes equal the batch's, the dynamic one otherwise.
+input shapes equal the batch's, the dynamic one otherwise. With value inputs
+(:mod:`enginekit.backends.tvm.values`) the program is picked (or compiled, once) by the values
+of those inputs, read on the host; they are not the program's inputs.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from enginekit.backends import values as shared
 from enginekit.backends.tvm.lower import error_line
 from enginekit.config import BuildConfig
 from enginekit.engine import Engine, TensorSpec
-from enginekit.errors import ArtifactError
+from enginekit.errors import ArtifactError, BuildError, EngineInputError
 
 if TYPE_CHECKING:
     from enginekit.artifact import Artifact
+    from enginekit.backends.tvm.values import Compiler
 
 #: TVM accepts DLPack tensors only when their data is 64-byte aligned.
 _ALIGN = 64
@@ -68,12 +72,32 @@ def _device(device: str) -> Any:
     return tvm.cpu(0)
 
 
+class Program:
+    """A compiled library and its Relax VMs, one per thread (a VM keeps per-call state); the
+    VMs go with the program when the value cache drops it."""
+
+    def __init__(self, lib: Any, label: str = "") -> None:
+        self.lib = lib
+        self.label = label
+        self._local = threading.local()
+
+    def main(self, dev: Any) -> Any:
+        """This thread's VM entry."""
+        main = getattr(self._local, "main", None)
+        if main is None:
+            from tvm import relax
+
+            main = self._local.main = relax.VirtualMachine(self.lib, dev)["main"]
+        return main
+
+
 class TvmEngine(Engine):
     """An Engine over Relax VM executables compiled by TVM.
 
     Attributes:
         device: the device the VMs run on (``cpu`` or ``cuda[:N]``).
         static_shapes: input shapes served by tuned static modules.
+        value_inputs: inputs read on the host to pick (or compile) a program for their values.
     """
 
     def __init__(
@@ -82,6 +106,8 @@ class TvmEngine(Engine):
         dynamic: Any,
         static: Sequence[tuple[dict[str, tuple[int, ...]], Any]],
         device: str,
+        compiler: Compiler | None = None,
+        build_values: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         config = BuildConfig.from_json(manifest["config"])
         super().__init__(
@@ -98,6 +124,20 @@ class TvmEngine(Engine):
         self.static_shapes = [dict(s) for s, _ in static]
         self._local = threading.local()
         self._out_names = [o.name for o in self.outputs]
+        self._compiler = compiler
+        self.value_inputs: tuple[str, ...] = compiler.names if compiler is not None else ()
+        self._programs: shared.ProgramCache[Program] = shared.ProgramCache()
+        # Tuned static modules were compiled for the build's values only.
+        self._build_key = shared.key(build_values) if build_values else None
+        if self.value_inputs and build_values:
+            self._programs.put(
+                self._build_key or (), Program(dynamic, shared.describe(build_values))
+            )
+
+    @property
+    def programs(self) -> list[str]:
+        """With value inputs: the value sets compiled so far, least recently used first."""
+        return [p.label for _, p in self._programs.items()]
 
     def _main(self, lib: Any) -> Any:
         """This thread's VM entry for ``lib`` (a Relax VM keeps per-call state: one per thread)."""
@@ -130,10 +170,33 @@ class TvmEngine(Engine):
             return np.from_dlpack(value)  # zero copy; the array keeps the TVM tensor alive
         return value.numpy()
 
+    def _specialize(self, held: dict[str, np.ndarray]) -> Program:
+        assert self._compiler is not None
+        try:
+            lib = self._compiler(held, self.device)
+        except BuildError as exc:
+            raise EngineInputError(
+                f"the TVM engine compiles a program for the values of {', '.join(held)}, and "
+                f"{shared.describe(held)} does not compile: {exc}. Pass values the model accepts"
+            ) from None
+        return Program(lib, shared.describe(held))
+
+    def _call(self, feeds: dict[str, np.ndarray]) -> Any:
+        shapes = tuple(a.shape for a in feeds.values())
+        if not self.value_inputs:
+            return self._main(self._static.get(shapes, self._dynamic))
+        held = {n: np.asarray(feeds.pop(n)) for n in self.value_inputs}
+        key = shared.key(held)
+        if key == self._build_key and self._static:
+            lib = self._static.get(shapes)
+            if lib is not None:
+                return self._main(lib)
+        return self._programs.get(key, lambda: self._specialize(held)).main(self._dev)
+
     def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        key = tuple(a.shape for a in feeds.values())
-        lib = self._static.get(key, self._dynamic)
-        result = self._main(lib)(*[self._to_tvm(a) for a in feeds.values()])
+        feeds = dict(feeds)
+        main = self._call(feeds)  # takes the value inputs out of feeds
+        result = main(*[self._to_tvm(a) for a in feeds.values()])
         single = hasattr(result, "__dlpack__") or isinstance(result, (tuple, int))
         values = [result] if single else list(result)
         return {n: self._from_tvm(v) for n, v in zip(self._out_names, values)}
@@ -142,3 +205,4 @@ class TvmEngine(Engine):
         self._dynamic = None
         self._static = {}
         self._local = threading.local()
+        self._programs.clear()

@@ -1,5 +1,6 @@
 """Reading ONNX nodes and graphs for the lowering: attributes as Python values, labels,
-subgraphs, outer reads and a topological order.
+subgraphs, outer reads and a topological order (the graph walking lives in
+:mod:`enginekit.passes.nodes`, shared with the other backends; re-exported here).
 
 A leaf module: the checker, the graph preparation, the lowering and the op functions that walk
 subgraphs (Loop, Scan) all read nodes the same way, without importing one another.
@@ -12,7 +13,17 @@ from typing import Any
 import onnx
 from onnx import numpy_helper
 
-from enginekit.errors import BuildError
+from enginekit.passes.nodes import node_label, outer_names, subgraphs, topological, uses
+
+__all__ = [
+    "IGNORED_ATTRS",
+    "attributes",
+    "node_label",
+    "outer_names",
+    "subgraphs",
+    "topological",
+    "uses",
+]
 
 #: Attributes old opsets carry that change nothing at inference time.
 IGNORED_ATTRS = frozenset({"consumed_inputs"})
@@ -37,62 +48,3 @@ def attributes(node: onnx.NodeProto) -> dict[str, Any]:
             value = [v.decode("utf-8") for v in value]
         out[attr.name] = value
     return out
-
-
-def node_label(node: onnx.NodeProto, index: int) -> str:
-    return f"{node.name or f'#{index}'} ({node.op_type})"
-
-
-def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    """The graphs held in a node's attributes (If's branches, Loop's body)."""
-    found: list[onnx.GraphProto] = []
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            found.append(attr.g)
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            found.extend(attr.graphs)
-    return found
-
-
-def outer_names(graph: onnx.GraphProto) -> set[str]:
-    """Names a (sub)graph reads from the scope around it."""
-    own = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
-    own |= {o for n in graph.node for o in n.output}
-    return {name for n in graph.node for name in uses(n)} - own
-
-
-def uses(node: onnx.NodeProto) -> list[str]:
-    """Every tensor a node reads: its inputs, and what its subgraphs take from outside."""
-    implicit = sorted({name for g in subgraphs(node) for name in outer_names(g)})
-    return [*node.input, *implicit]
-
-
-def topological(
-    graph: onnx.GraphProto, outer: frozenset[str] = frozenset()
-) -> list[onnx.NodeProto]:
-    """Nodes in an order where every input is produced before use.
-
-    Args:
-        outer: names a subgraph may read from the scope around it.
-
-    Raises:
-        BuildError: a cycle, or an input nothing produces.
-    """
-    known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""} | outer
-    pending = list(graph.node)
-    needs = {id(n): uses(n) for n in pending}
-    ordered: list[onnx.NodeProto] = []
-    while pending:
-        ready = [n for n in pending if all(i in known for i in needs[id(n)])]
-        if not ready:
-            missing = sorted({i for n in pending for i in needs[id(n)] if i not in known})
-            raise BuildError(
-                f"the graph cannot be ordered: tensor(s) {', '.join(missing[:5])} are used but "
-                "never produced (a cycle, or a subgraph-only value)"
-            )
-        ready_ids = {id(n) for n in ready}
-        ordered.extend(ready)
-        for n in ready:
-            known.update(n.output)
-        pending = [n for n in pending if id(n) not in ready_ids]
-    return ordered

@@ -1,0 +1,168 @@
+"""Value inputs on TVM: programs compiled for the values of inputs that decide shapes.
+
+TVM's Relax importer builds shapes, axes, pads and sizes from constants: a Reshape whose shape,
+a Range whose limits or a TopK whose k comes from a graph input fails to import (or imports with
+shapes it cannot compile). Such inputs (:func:`find`: the backend-neutral detection of
+:mod:`enginekit.backends.values` with TVM's table :data:`SHAPE_INPUTS`) are bound as ONNX
+initializers before the import, so the usual pipeline compiles a static-shape program for the
+build's example values (the first verification point's, so verification runs it). The artifact
+keeps ``model.onnx`` too; at inference the engine reads those inputs on the host and compiles a
+program for each new set of values once (:class:`Compiler`, an LRU of
+:data:`~enginekit.backends.values.CACHE_SIZE` per engine). See docs/backends/tvm.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+
+from enginekit.backends import values as shared
+from enginekit.errors import BuildError
+
+log = logging.getLogger(__name__)
+
+#: The ONNX model kept in the payload of an engine with value inputs.
+MODEL = "model.onnx"
+
+#: op -> inputs whose values decide the op's output shape (or that the importer reads as
+#: attributes); fed from a graph input, they are value inputs. TVM's importer reads more as
+#: constants (reduction axes, pads, split sizes: :func:`slots` adds frontend's table).
+SHAPE_INPUTS: dict[str, tuple[int, ...]] = {
+    "Reshape": (1,),
+    "Expand": (1,),
+    "Tile": (1,),
+    "Slice": (1, 2, 3, 4),
+    "Pad": (1, 3),
+    "Squeeze": (1,),
+    "Unsqueeze": (1,),
+    "Split": (1,),
+    "ConstantOfShape": (0,),
+    "Range": (0, 1, 2),
+    "TopK": (1,),
+    "Trilu": (1,),
+    "CumSum": (1,),
+    "Dropout": (1, 2),
+    "Resize": (1, 2, 3),
+    "Upsample": (1,),
+    "OneHot": (1,),
+    "If": (0,),
+    "Loop": (0, 1),
+    "AffineGrid": (1,),
+    "CenterCropPad": (1,),
+    "Col2Im": (1, 2),
+    "MaxUnpool": (2,),
+    "Compress": (1,),
+    "DFT": (1, 2),
+    "STFT": (1, 3),
+    "BlackmanWindow": (0,),
+    "HammingWindow": (0,),
+    "HannWindow": (0,),
+    "MelWeightMatrix": (0, 1, 2, 3, 4),
+}
+
+
+def slots() -> dict[str, tuple[int, ...]]:
+    """:data:`SHAPE_INPUTS` and the inputs the importer reads as constants
+    (``frontend._CONSTANT_INPUTS``: reduction axes, pads, ...)."""
+    from enginekit.backends.tvm.frontend import _CONSTANT_INPUTS
+
+    out = dict(SHAPE_INPUTS)
+    for op, held in _CONSTANT_INPUTS.items():
+        out[op] = tuple(sorted(set(out.get(op, ())) | set(held)))
+    return out
+
+
+def find(proto: onnx.ModelProto) -> dict[str, str]:
+    """Graph inputs whose values TVM must know to import and compile the model.
+
+    Returns:
+        input name -> where it first arrives (``"r (Reshape) input 1"``), in graph input order.
+    """
+    return shared.find(proto, slots())
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How to compile a program for new values the way the build compiled its own.
+
+    Attributes:
+        layout: ``NHWC`` or ``NCHW``, as the build chose (an NHWC program that fails is
+            compiled NCHW, as at build).
+        schedule: the build's ``schedule`` option.
+        precision: ``fp32`` or ``bf16``.
+        target: the build's target in TVM's JSON form (manifest ``backend.metadata.target``).
+    """
+
+    layout: str
+    schedule: str
+    precision: str
+    target: Mapping[str, Any]
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any]) -> Recipe:
+        return cls(
+            layout=str(meta.get("layout", "NCHW")),
+            schedule=str(meta.get("schedule", "enginekit")),
+            precision=str(meta.get("precision", "fp32")),
+            target=dict(meta.get("target") or {}),
+        )
+
+
+def compile_program(mod: Any, target: Any, recipe: Recipe) -> Any:
+    """An imported module optimized, scheduled and compiled as the build does, loaded for the
+    Relax VM (a runtime module, no file).
+
+    Raises:
+        BuildError: TVM failed on it in both layouts.
+    """
+    from enginekit.backends.tvm import lower
+
+    try:
+        _, fused, _ = lower.optimize(mod, target, recipe.layout, recipe.precision)
+    except BuildError:
+        if recipe.layout != "NHWC":
+            raise
+        _, fused, _ = lower.optimize(mod, target, "NCHW", recipe.precision)
+    scheduled, _ = lower.apply_schedules(fused, target, recipe.schedule, None)
+    return lower.compile_module(scheduled, target).jit()
+
+
+class Compiler:
+    """Compiles the kept ONNX model for one set of values of the value inputs ``names``.
+
+    Attributes:
+        names: the value inputs, in graph input order.
+    """
+
+    def __init__(
+        self, model_bytes: bytes, dtypes: Mapping[str, str], names: tuple[str, ...], recipe: Recipe
+    ) -> None:
+        self.names = names
+        self.recipe = recipe
+        self._bytes = model_bytes
+        self._dtypes = {n: d for n, d in dtypes.items() if n not in names}
+        self._proto: onnx.ModelProto | None = None
+
+    def proto(self) -> onnx.ModelProto:
+        """The ONNX model, parsed on first use."""
+        if self._proto is None:
+            self._proto = onnx.load_from_string(self._bytes)
+        return self._proto
+
+    def __call__(self, values: Mapping[str, np.ndarray], device: str) -> Any:
+        """The program for ``values`` (a runtime module for ``relax.VirtualMachine``).
+
+        Raises:
+            BuildError: the values do not import or compile (a shape the data cannot take...).
+        """
+        from enginekit.backends.tvm import frontend, lower
+
+        target = lower.resolve_target(dict(self.recipe.target) or None, device)
+        mod = frontend.import_proto(shared.bind(self.proto(), values), self._dtypes)
+        log.info("tvm: compiling a program for %s", shared.describe(values))
+        return compile_program(mod, target, self.recipe)

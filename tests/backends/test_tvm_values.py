@@ -1,0 +1,166 @@
+"""TVM value inputs: graph inputs whose values decide shapes are compiled in as constants, one
+program per set of values (enginekit/backends/tvm/values.py).
+
+Without values.py each of these models fails at build: TVM's Relax importer reads Reshape's
+shape, Range's limits, TopK's k... as constants ("Reshape requires the input new shape to be
+Shape"); ONNX's own test cases feed such operands as graph inputs like this.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from conftest import reference
+from onnx import TensorProto, helper
+
+import enginekit as ek
+from enginekit.artifact import open_artifact
+from enginekit.errors import BuildError, EngineInputError
+
+pytest.importorskip("tvm", reason="the tvm backend needs apache-tvm (pip install 'enginekit[tvm]')")
+
+from enginekit.backends import values as shared
+from enginekit.backends.tvm import values
+
+
+def _save(tmp: Path, name: str, nodes, inputs, outputs, inits=()) -> Path:
+    graph = helper.make_graph(nodes, name, inputs, outputs, list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp / f"{name}.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+def _reshape(tmp: Path, elements: int = 2) -> Path:
+    """y = Reshape(Relu(x), shape), shape a graph input."""
+    return _save(
+        tmp,
+        "reshape_by_input",
+        [
+            helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("Reshape", ["r", "shape"], ["y"], name="by_input"),
+        ],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6]),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [elements]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+
+
+@pytest.fixture(scope="module")
+def reshape_artifact(tmp_path_factory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("tvm-values")
+    path = _reshape(tmp)
+    out = tmp / "m.ekit"
+    ek.build(path, backend="tvm", output=out, simplify=False).close()
+    return path, out
+
+
+def test_find_uses_tvm_table_and_the_importers_constant_inputs(tmp_path):
+    path = _save(
+        tmp_path,
+        "reduce_by_input",
+        [helper.make_node("ReduceSum", ["x", "axes"], ["y"], name="sum")],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+            helper.make_tensor_value_info("axes", TensorProto.INT64, [1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    assert values.find(onnx.load(str(path))) == {"axes": "sum (ReduceSum) input 1"}
+    assert values.find(onnx.load(str(_reshape(tmp_path)))) == {
+        "shape": "by_input (Reshape) input 1"
+    }
+
+
+def test_reshape_by_an_input_compiles_a_program_per_set_of_values(reshape_artifact):
+    path, out = reshape_artifact
+    artifact = open_artifact(out)
+    meta = artifact.manifest["backend"]["metadata"]
+    assert meta["value_inputs"]["inputs"] == {"shape": "by_input (Reshape) input 1"}
+    (stored,) = meta["value_inputs"]["programs"]
+    assert shared.from_json(stored["values"])["shape"].tolist() == [2, 6]
+    assert "model.onnx" in artifact.manifest["payload"]
+    assert artifact.manifest["verify"]["passed"]
+
+    x = np.arange(12, dtype=np.float32).reshape(2, 6) - 5
+    with ek.load(out) as engine:
+        assert engine.value_inputs == ("shape",)
+        assert engine.programs == ["shape=[2, 6]"]  # the build's, loaded from model.so
+        for target in ([2, 6], [3, 4], [-1, 2], [3, 4]):
+            feeds = {"x": x, "shape": np.array(target, np.int64)}
+            np.testing.assert_array_equal(engine.infer(feeds)["y"], reference(path, feeds)["y"])
+        # [3, 4] compiled once, came back from the cache the second time.
+        assert engine.programs == ["shape=[2, 6]", "shape=[-1, 2]", "shape=[3, 4]"]
+        with pytest.raises(EngineInputError, match=r"shape=\[5, 5\] does not compile"):
+            engine.infer({"x": x, "shape": np.array([5, 5], np.int64)})
+
+
+def test_program_cache_is_bounded(reshape_artifact):
+    _, out = reshape_artifact
+    x = np.ones((2, 6), np.float32)
+    with ek.load(out) as engine:
+        engine._programs.size = 2
+        for target in ([3, 4], [4, 3], [6, 2]):
+            assert engine.infer({"x": x, "shape": np.array(target, np.int64)})["y"].shape == (
+                tuple(target)
+            )
+        assert engine.programs == ["shape=[4, 3]", "shape=[6, 2]"]
+
+
+def test_concurrent_first_calls_with_new_values_compile_once(reshape_artifact):
+    _, out = reshape_artifact
+    feeds = {"x": np.ones((2, 6), np.float32), "shape": np.array([1, 12], np.int64)}
+    errors: list[BaseException] = []
+    with ek.load(out) as engine:
+
+        def call() -> None:
+            try:
+                assert engine.infer(feeds)["y"].shape == (1, 12)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=call) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert engine.programs == ["shape=[2, 6]", "shape=[1, 12]"]
+
+
+def test_range_with_an_input_limit_matches_onnxruntime(tmp_path):
+    path = _save(
+        tmp_path,
+        "range_by_input",
+        [
+            helper.make_node("Range", ["zero", "limit", "one"], ["r"]),
+            helper.make_node("Cast", ["r"], ["rf"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["rf", "x"], ["y"]),
+        ],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1]),
+            helper.make_tensor_value_info("limit", TensorProto.INT64, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [
+            helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+            helper.make_tensor("one", TensorProto.INT64, [], [1]),
+        ],
+    )
+    with ek.build(path, backend="tvm", simplify=False) as engine:
+        assert engine.manifest["verify"]["passed"]
+        for limit in (3, 7, 1):
+            feeds = {"x": np.array([0.5], np.float32), "limit": np.array(limit, np.int64)}
+            np.testing.assert_array_equal(engine.infer(feeds)["y"], reference(path, feeds)["y"])
+
+
+def test_a_large_value_input_is_refused_with_its_size(tmp_path):
+    path = _reshape(tmp_path, elements=2048)
+    with pytest.raises(BuildError, match=r"'shape' feeds by_input \(Reshape\).*TVM.*up to 2048"):
+        ek.build(path, backend="tvm", simplify=False, verify=False)
