@@ -300,11 +300,11 @@ class Batcher:
         the queue, waiting as long as there is none), run it, hand the outputs to the helper,
         which resolves the futures while this one runs the next batch. Returns once closing
         and nothing is left to run."""
-        engine, cv, done = self.engine, self._cv, self._done
+        engine, lock, done = self.engine, self._lock, self._done
         ran: tuple[int, float, bool] | None = None
         buffers: dict[Any, np.ndarray] = {}
         while True:
-            with cv:
+            with lock:  # the Condition's lock, entered without its Python-level __enter__
                 if ran is not None:
                     self._ran(*ran)
                     self._buffer_sets.append(buffers)
@@ -336,13 +336,17 @@ class Batcher:
                 outputs, ok = exc, False
                 log.warning("batcher %r: a batch of %d rows failed: %r", self.name, rows, exc)
             elapsed = time.perf_counter() - start
-            ran = (rows, elapsed, ok)
             # Reads without the lock: a hint is enough here.
             if self._queue.count or self._prepared is not None:
+                ran = (rows, elapsed, ok)
                 done.put((live, outputs, ok))  # the helper resolves; this runs the next batch
             else:
-                self._finish((live, outputs, ok))  # low load: no thread switch for the results
-        with cv:
+                # Low load: resolve here (no thread switch), accounting for the batch in the
+                # same lock round-trip, so that little is left to do between waking the caller
+                # and blocking again (the caller needs the interpreter lock this thread holds).
+                ran = None
+                self._finish((live, outputs, ok), (rows, elapsed, ok), buffers)
+        with lock:
             self._running -= 1
             last = self._running == 0
         if last:
@@ -438,6 +442,7 @@ class Batcher:
         """The requests to send now if any; otherwise when to look again and, per group, the
         row count at which to look again (under the lock)."""
         best: tuple[Any, ...] | None = None
+        best_rank: tuple[bool, int, int] | None = None
         wake, plan = math.inf, {}
         closing = self._closing
         for key, group in self._queue.groups.items():
@@ -461,12 +466,17 @@ class Batcher:
                     plan[key] = d.need
                     continue
                 reason = d.reason
+            if best is None:  # rank only when groups compete (one group is the common case)
+                best = (group, reason)
+                continue
+            if best_rank is None:
+                best_rank = best[0].rank(now, self.starve)
             rank = group.rank(now, self.starve)
-            if best is None or rank > best[0]:
-                best = (rank, group, reason)
+            if rank > best_rank:
+                best, best_rank = (group, reason), rank
         if best is None:
             return None, wake, plan
-        _, group, reason = best
+        group, reason = best
         size = take_size(group.rows, self.max_batch_size, self.preferred, reason)
         taken = self._queue.take(group, size, now, self.starve)
         m = self._metrics
@@ -497,9 +507,15 @@ class Batcher:
             self._finish(item)
             self._prepare()
 
-    def _finish(self, item: tuple[Any, ...]) -> None:
+    def _finish(
+        self,
+        item: tuple[Any, ...],
+        ran: tuple[int, float, bool] | None = None,
+        buffers: dict[Any, np.ndarray] | None = None,
+    ) -> None:
         """Act on one message for the helper: a finished batch (split, count, resolve), expired
-        requests to fail, cancelled ones to count, or a wake-up (deadlines changed)."""
+        requests to fail, cancelled ones to count, or a wake-up (deadlines changed). A worker
+        that resolves its own batch passes its accounting (``ran``) and collation buffers."""
         if item[0] == "expired":
             self._fail_expired(item[1])
             return
@@ -522,6 +538,10 @@ class Batcher:
             m = self._metrics
             m.outcomes["completed" if ok else "failed"] += len(requests)
             m.add_many("latency", latencies)
+            if ran is not None:
+                self._ran(*ran)
+            if buffers is not None:
+                self._buffer_sets.append(buffers)
         futures = [r.future for r in requests]
         if ok:
             resolve_all(futures, results)

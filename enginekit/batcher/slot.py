@@ -98,6 +98,26 @@ class Slot(Future[Any]):
             raise CancelledError()
         raise TimeoutError()
 
+    def add_done_callback(self, fn: Any) -> None:
+        with _GUARD:  # the lock itself: Condition.__enter__ is a Python-level call
+            if self._state not in _DONE:
+                self._done_callbacks.append(fn)
+                return
+        try:
+            fn(self)
+        except Exception:
+            LOGGER.exception("exception calling callback for %r", self)
+
+    # A state only moves forward and is one attribute: reading it needs no lock.
+    def done(self) -> bool:
+        return self._state in _DONE
+
+    def cancelled(self) -> bool:
+        return self._state in (CANCELLED, CANCELLED_AND_NOTIFIED)
+
+    def running(self) -> bool:
+        return self._state == RUNNING
+
     def _run_callbacks(self) -> None:
         """Future's _invoke_callbacks (not part of its typed interface)."""
         for callback in self._done_callbacks:
