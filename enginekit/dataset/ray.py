@@ -294,12 +294,14 @@ def read_dataset(src: ParquetSource, start: int) -> Any:
 
 
 def read_row_groups(batch: Any, columns: list[str] | None = None) -> Any:
-    """A Ray read task: the listed Parquet row groups, each from its ``skip``-th row on."""
+    """A Ray read task: the listed Parquet row groups, each from its ``skip``-th row on (tensor
+    columns by the page reader, as in a local run: the read tasks share the engine's CPUs)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
+
+    from enginekit.dataset.parquet import read_group
 
     tables = [
-        pq.ParquetFile(str(f)).read_row_group(int(g), columns=columns).slice(int(skip))
+        read_group(str(f), int(g), columns, int(skip))
         for f, g, skip in zip(batch["file"], batch["group"], batch["skip"])
     ]
     return pa.concat_tables(tables)
