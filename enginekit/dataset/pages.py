@@ -130,20 +130,17 @@ def _unpack(data: bytes, width: int, count: int) -> np.ndarray:
     if width > 32:
         raise Unsupported(f"bit width {width}")
     # Eight values fill exactly ``width`` bytes, so value j of every group starts at the same
-    # byte and bit: one strided column of bytes per (value, byte), no per-value gathers (the
-    # dictionary indices of a page are ~10^5 values).
+    # byte and bit: read each as one little-endian word through a strided view of the bytes
+    # (no per-value gathers, no per-bit arrays: a page holds ~10^5 dictionary indices).
     groups = -(-count // 8)
-    t = np.uint32 if width <= 25 else np.uint64  # 7 bits of shift + width fit the word
-    raw = np.frombuffer(data, np.uint8, groups * width).reshape(groups, width)
-    raw = np.concatenate([raw, np.zeros((groups, 4), np.uint8)], axis=1).astype(t)
-    out = np.empty((groups, 8), t)
-    mask = t((1 << width) - 1)
+    word = np.dtype("<u4") if width <= 25 else np.dtype("<u8")  # 7 bits of shift + width fit
+    padded = bytes(data[: groups * width]) + bytes(8)
+    out = np.empty((groups, 8), word)
+    mask = word.type((1 << width) - 1)
     for j in range(8):
         first, shift = divmod(j * width, 8)
-        word = raw[:, first].copy()
-        for k in range(1, (shift + width + 7) // 8):
-            word |= raw[:, first + k] << t(8 * k)
-        out[:, j] = (word >> t(shift)) & mask
+        view = np.ndarray((groups,), word, padded, offset=first, strides=(width,))
+        out[:, j] = (view >> word.type(shift)) & mask
     return out.reshape(-1)[:count].astype(np.int64)
 
 

@@ -98,7 +98,8 @@ class ParquetSource(Source):
                 # columns pyarrow's threads would decode in parallel are mostly one tensor
                 # column, and the reader runs beside the engine, whose threads want the cores.
                 pf = pq.ParquetFile(f, memory_map=True)
-                leaves = _tensor_leaves(pf, self.mapping, self.inputs) if self.fast else {}
+                found = _tensor_leaves(pf, list(self.mapping.values())) if self.fast else {}
+                leaves = {i: found[c] for i, c in self.mapping.items() if c in found}
                 data = _map(f) if leaves else None
                 for g, n in enumerate(groups):
                     if row + n <= start:
@@ -269,10 +270,8 @@ def _fixed_shape(t: Any) -> tuple[tuple[int, ...], Any, int] | None:
     return (tuple(dims), t, len(dims)) if dims else None
 
 
-def _tensor_leaves(
-    pf: Any, mapping: Mapping[str, str], inputs: Sequence[TensorSpec]
-) -> dict[str, _Leaf]:
-    """The engine inputs whose column the page reader can read, with where their values are."""
+def _tensor_leaves(pf: Any, columns: Sequence[str]) -> dict[str, _Leaf]:
+    """The columns the page reader can read, with where their values are in the file."""
     import pyarrow as pa
 
     schema = pf.schema_arrow
@@ -284,8 +283,7 @@ def _tensor_leaves(
     if at != len(pschema):
         return {}  # the Arrow schema does not map onto the Parquet leaves as expected
     out = {}
-    for spec in inputs:
-        col = mapping[spec.name]
+    for col in dict.fromkeys(columns):
         fixed = _fixed_shape(schema.field(col).type)
         if fixed is None:
             continue
@@ -298,7 +296,53 @@ def _tensor_leaves(
             continue  # e.g. int8 values stored as INT32: pyarrow converts them
         if leaf.max_repetition_level != depth or not leaf.path.startswith(col):
             continue
-        out[spec.name] = _Leaf(
-            starts[col], leaf.max_definition_level, leaf.max_repetition_level, shape
-        )
+        out[col] = _Leaf(starts[col], leaf.max_definition_level, leaf.max_repetition_level, shape)
     return out
+
+
+def read_group(
+    path: str | Path, group: int, columns: Sequence[str] | None = None, skip: int = 0
+) -> Any:
+    """Rows ``skip:`` of one row group as a pyarrow Table, tensor columns by the page reader
+    (rebuilt as their own Arrow type around the values, without a copy); for Ray's read tasks.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path, memory_map=True)
+    n = pf.metadata.row_group(group).num_rows
+    columns = list(pf.schema_arrow.names if columns is None else columns)
+    leaves = _tensor_leaves(pf, columns)
+    fast: dict[str, Any] = {}
+    if leaves:
+        data = _map(Path(path))
+        meta = pf.metadata.row_group(group)
+        for col, leaf in leaves.items():
+            chunk = meta.column(leaf.index)
+            if chunk.num_values != n * leaf.size:
+                continue
+            try:
+                values = _Values(pages.Column(data, chunk, leaf.max_def, leaf.max_rep))
+                values.take(skip * leaf.size)
+                flat = values.take((n - skip) * leaf.size)
+            except pages.Unsupported:
+                continue
+            fast[col] = _as_type(flat, pf.schema_arrow.field(col).type, leaf.size)
+    rest = [c for c in columns if c not in fast]
+    if rest:
+        table = pf.read_row_group(group, columns=rest, use_threads=False).slice(skip)
+        fast.update({c: table.column(c) for c in rest})
+    return pa.table({c: fast[c] for c in columns})
+
+
+def _as_type(flat: np.ndarray, t: Any, size: int) -> Any:
+    """Flat values as a column of Arrow type ``t`` (fixed-size lists or fixed-shape tensor),
+    field names and all, around the same buffer."""
+    import pyarrow as pa
+
+    if isinstance(t, pa.FixedShapeTensorType):
+        return pa.ExtensionArray.from_storage(t, _as_type(flat, t.storage_type, size))
+    if not pa.types.is_fixed_size_list(t):
+        return pa.array(flat, type=t)
+    inner = _as_type(flat, t.value_type, size // t.list_size)
+    return pa.FixedSizeListArray.from_arrays(inner, type=t)

@@ -34,6 +34,10 @@ from enginekit.engine import Engine
 from enginekit.errors import DatasetError
 
 _END = object()
+#: Niceness added to the reader's and writer's threads (Linux; 0: none). A positive value lets
+#: the engine's threads run first and I/O fill the gaps they leave; benchmarks/dataset.py
+#: measures both (see docs/batch-inference.md, "Where the time goes").
+IO_NICE = 0
 #: The engine waiting on a queue for more than this share of its loop names that stage the
 #: bottleneck; below it, the engine itself limited the run (reading and writing were hidden).
 WAIT_SHARE = 0.1
@@ -124,6 +128,18 @@ class State:
         return sum(self.times, StageTimes(remote=remote))
 
 
+def _lower_priority(nice: int) -> None:
+    """Lower this thread's CPU priority by ``nice`` (Linux: niceness is per thread)."""
+    import os
+
+    if nice > 0 and hasattr(os, "setpriority"):
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        except OSError:
+            pass  # not permitted: run at the usual priority
+
+
 def _put(q: queue.Queue, item: Any, state: State) -> bool:
     """Put unless the job is stopping; False when it is."""
     while not state.stop.is_set():
@@ -172,6 +188,7 @@ def run_local(
     outbox: queue.Queue = queue.Queue(max(4 * prefetch, -(-shard_rows // size) + prefetch))
 
     def read() -> None:
+        _lower_priority(IO_NICE)
         cpu = time.thread_time()
         busy = 0.0
         try:
@@ -281,6 +298,7 @@ def start_writer(
     """The writer thread: shards from ``outbox`` until the end mark; an error stops the run."""
 
     def write() -> None:
+        _lower_priority(IO_NICE)
         cpu = time.thread_time()
         busy = [0.0]
         try:

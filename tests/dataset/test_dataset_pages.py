@@ -48,7 +48,10 @@ def _same_as_pyarrow(path, start=0, spec=SPEC, groups_fast=None):
         ("tensor", {"compression": "zstd"}),
         ("flat", {"compression": "none", "use_dictionary": False}),
         ("list", {"data_page_version": "2.0", "data_page_size": 256, "write_batch_size": 64}),
-        ("tensor", {"dictionary_pagesize_limit": 64, "data_page_size": 128, "write_batch_size": 32}),
+        (
+            "tensor",
+            {"dictionary_pagesize_limit": 64, "data_page_size": 128, "write_batch_size": 32},
+        ),
     ],
 )
 def test_page_reader_matches_pyarrow(tmp_path, layout, options):
@@ -134,3 +137,15 @@ def test_bit_unpacking_and_the_hybrid_encoding(width):
     np.testing.assert_array_equal(got, np.concatenate([np.ones(5, np.int64), v]))
     assert pages.all_equal(memoryview(buf), 0, 1 + nbytes, width, 5, 1)
     assert not pages.all_equal(memoryview(buf), 0, len(buf), width, 26, 1)
+
+
+@pytest.mark.parametrize("layout", ["list", "tensor"])
+def test_read_group_gives_pyarrow_s_table(tmp_path, layout):
+    from enginekit.dataset.parquet import read_group
+
+    path = tmp_path / "d.parquet"
+    table = pa.table({"k": [f"r{i}" for i in range(12)], "x": from_numpy(_rows(12), layout)})
+    pq.write_table(table, path, row_group_size=5)
+    got = read_group(path, 1, ["x", "k"], skip=2)
+    assert got.equals(pq.ParquetFile(path).read_row_group(1, columns=["x", "k"]).slice(2))
+    assert read_group(path, 2).equals(pq.ParquetFile(path).read_row_group(2))
