@@ -27,10 +27,11 @@ _DIRECT = frozenset({"If", "Constant"})
 
 
 def supported_ops() -> list[str]:
-    """ONNX op types (default domain) the Relax ONNX frontend of the installed TVM converts."""
+    """ONNX op types (default domain) the Relax ONNX frontend of the installed TVM converts,
+    with enginekit's own converters."""
     from tvm.relax.frontend.onnx import onnx_frontend
 
-    return sorted(set(onnx_frontend._get_convert_map()) | _DIRECT)
+    return sorted(set(onnx_frontend._get_convert_map()) | set(converters()) | _DIRECT)
 
 
 def check_ops(model: Model) -> None:
@@ -292,6 +293,8 @@ def import_proto(
                 keep_params_in_input=False,
                 sanitize_input_names=True,
             )
+    except BuildError:
+        raise  # enginekit's converters name the op and node themselves
     except Exception as exc:
         raise BuildError(
             f"TVM's Relax ONNX frontend failed on the model: {type(exc).__name__}: "
