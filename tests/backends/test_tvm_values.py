@@ -164,3 +164,12 @@ def test_a_large_value_input_is_refused_with_its_size(tmp_path):
     path = _reshape(tmp_path, elements=2048)
     with pytest.raises(BuildError, match=r"'shape' feeds by_input \(Reshape\).*TVM.*up to 2048"):
         ek.build(path, backend="tvm", simplify=False, verify=False)
+
+
+def test_profile_runs_the_program_for_the_values_given(reshape_artifact):
+    from enginekit.backends import tvm as tvm_backend
+
+    _, out = reshape_artifact
+    feeds = {"x": np.ones((2, 6), np.float32), "shape": np.array([3, 4], np.int64)}
+    events = tvm_backend.profile(open_artifact(out), feeds, runs=1, warmup=0)
+    assert {e.op for e in events} >= {"relu"}

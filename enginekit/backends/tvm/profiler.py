@@ -60,10 +60,9 @@ def profile(
     from tvm import relax
     from tvm.runtime.vm import VMInstrumentReturnKind
 
-    key = tuple(tuple(np.shape(feeds[n])) for n in engine._names)
-    lib = engine._static.get(key, engine._dynamic)  # the module infer would use
+    lib = engine.library(feeds)  # the module infer would use
     vm = relax.VirtualMachine(lib, engine._dev)
-    args = [engine._to_tvm(np.asarray(feeds[n])) for n in engine._names]
+    args = [engine._to_tvm(np.asarray(feeds[n])) for n in engine.program_inputs]
     events: list[OpEvent] = []
     state: dict[str, Any] = {"run": -1, "origin": 0.0, "open": {}}
     no_op = int(VMInstrumentReturnKind.NO_OP)

@@ -126,6 +126,8 @@ class TvmEngine(Engine):
         self._out_names = [o.name for o in self.outputs]
         self._compiler = compiler
         self.value_inputs: tuple[str, ...] = compiler.names if compiler is not None else ()
+        #: The inputs the compiled programs take: all but the value inputs, in order.
+        self.program_inputs = [n for n in self._names if n not in self.value_inputs]
         self._programs: shared.ProgramCache[Program] = shared.ProgramCache()
         # Tuned static modules were compiled for the build's values only.
         self._build_key = shared.key(build_values) if build_values else None
@@ -183,22 +185,27 @@ class TvmEngine(Engine):
             ) from None
         return Program(lib, shared.describe(held))
 
-    def _call(self, feeds: dict[str, np.ndarray]) -> Any:
-        shapes = tuple(a.shape for a in feeds.values())
+    def _select(self, feeds: Mapping[str, np.ndarray]) -> tuple[Any, Program | None]:
+        """(the library ``feeds`` run on, its Program when picked by values)."""
+        shapes = tuple(feeds[n].shape for n in self._names)
         if not self.value_inputs:
-            return self._main(self._static.get(shapes, self._dynamic))
-        held = {n: np.asarray(feeds.pop(n)) for n in self.value_inputs}
+            return self._static.get(shapes, self._dynamic), None
+        held = {n: np.asarray(feeds[n]) for n in self.value_inputs}
         key = shared.key(held)
-        if key == self._build_key and self._static:
-            lib = self._static.get(shapes)
-            if lib is not None:
-                return self._main(lib)
-        return self._programs.get(key, lambda: self._specialize(held)).main(self._dev)
+        if key == self._build_key and shapes in self._static:
+            return self._static[shapes], None
+        program = self._programs.get(key, lambda: self._specialize(held))
+        return program.lib, program
+
+    def library(self, feeds: Mapping[str, np.ndarray]) -> Any:
+        """The compiled library ``infer(feeds)`` runs (compiled now for new values of value
+        inputs); it takes :attr:`program_inputs`."""
+        return self._select({n: np.asarray(feeds[n]) for n in self._names})[0]
 
     def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        feeds = dict(feeds)
-        main = self._call(feeds)  # takes the value inputs out of feeds
-        result = main(*[self._to_tvm(a) for a in feeds.values()])
+        lib, program = self._select(feeds)
+        main = program.main(self._dev) if program is not None else self._main(lib)
+        result = main(*[self._to_tvm(feeds[n]) for n in self.program_inputs])
         single = hasattr(result, "__dlpack__") or isinstance(result, (tuple, int))
         values = [result] if single else list(result)
         return {n: self._from_tvm(v) for n, v in zip(self._out_names, values)}
