@@ -276,16 +276,15 @@ class Column:
     def _page_v1(self, h: dict[int, Any], raw: memoryview) -> np.ndarray:
         n, encoding = h[1], h[2]
         pos = 0
-        for level, kind in ((self.max_rep, h.get(4, _RLE)), (self.max_def, h.get(3, _RLE))):
+        levels = ((self.max_rep, h.get(4, _RLE), False), (self.max_def, h.get(3, _RLE), True))
+        for level, kind, definition in levels:
             if not level:
                 continue
             if kind != _RLE:
                 raise Unsupported("levels not RLE")
             (length,) = struct.unpack_from("<I", raw, pos)
             pos += 4
-            if level == self.max_def and not all_equal(
-                raw, pos, pos + length, _width(level), n, level
-            ):
+            if definition and not all_equal(raw, pos, pos + length, _width(level), n, level):
                 raise Unsupported("null values")
             pos += length
         return self._values(raw[pos:], encoding, n)

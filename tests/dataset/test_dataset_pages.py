@@ -149,3 +149,18 @@ def test_read_group_gives_pyarrow_s_table(tmp_path, layout):
     got = read_group(path, 1, ["x", "k"], skip=2)
     assert got.equals(pq.ParquetFile(path).read_row_group(1, columns=["x", "k"]).slice(2))
     assert read_group(path, 2).equals(pq.ParquetFile(path).read_row_group(2))
+
+
+def test_required_lists_and_values_read_by_pages(tmp_path):
+    # No nullable level at all: the definition levels count only the lists (max_def = max_rep).
+    x = _rows(9)
+    t = pa.list_(pa.field("v", pa.float32(), nullable=False), 24)
+    col = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), type=t)
+    path = tmp_path / "d.parquet"
+    schema = pa.schema([pa.field("x", t, nullable=False)])
+    pq.write_table(pa.table({"x": col}, schema=schema), path, row_group_size=4)
+    leaf = pq.ParquetFile(path).metadata.schema.column(0)
+    assert leaf.max_definition_level == leaf.max_repetition_level == 1
+    spec = [TensorSpec("x", "float32", ("batch", 24))]
+    got = _same_as_pyarrow(path, spec=spec, groups_fast=(3, 0))
+    np.testing.assert_array_equal(got, x.reshape(9, 24))
