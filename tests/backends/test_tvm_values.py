@@ -173,3 +173,25 @@ def test_profile_runs_the_program_for_the_values_given(reshape_artifact):
     feeds = {"x": np.ones((2, 6), np.float32), "shape": np.array([3, 4], np.int64)}
     events = tvm_backend.profile(open_artifact(out), feeds, runs=1, warmup=0)
     assert {e.op for e in events} >= {"relu"}
+
+
+def test_an_empty_input_runs_whatever_its_pointer(tmp_path):
+    """numpy gives an empty array zero strides; passed without a copy when its pointer
+    happened to be 64-byte aligned, the kernel's stride check failed (ONNX's
+    ``reduce_sum_empty_set``)."""
+    from enginekit.backends.tvm.runtime import _ALIGN
+
+    path = _save(
+        tmp_path,
+        "empty_sum",
+        [helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=1)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 0, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [1])],
+    )
+    buffer = np.zeros(2 * _ALIGN, np.uint8)
+    start = -buffer.ctypes.data % _ALIGN
+    x = buffer[start : start + 4].view(np.float32)[:0].reshape(2, 0, 4)  # aligned, empty
+    assert x.ctypes.data % _ALIGN == 0 and x.flags.writeable
+    with ek.build(path, backend="tvm", simplify=False, verify=False) as engine:
+        np.testing.assert_array_equal(engine.infer({"x": x})["y"], np.zeros((2, 1, 4)))

@@ -252,13 +252,18 @@ def import_onnx(
     Raises:
         BuildError: an unsupported op, or the importer failed on the graph.
     """
-    proto = model.proto
-    if values:
-        from enginekit.backends.values import bind
-
-        proto = bind(proto, values)
+    proto = bound(model.proto, values) if values else model.proto
     dtypes = {s.name: s.dtype for s in model.inputs if not values or s.name not in values}
     return import_proto(proto, dtypes, shapes)
+
+
+def bound(proto: Any, values: Mapping[str, np.ndarray]) -> Any:
+    """``proto`` with the value inputs as initializers holding ``values``, simplified again:
+    what was computed from them (sizes, pads, crop windows, often through ``Shape`` and
+    ``Concat``) folds to the constants TVM's importer needs."""
+    from enginekit.backends.values import bind
+
+    return _folded(bind(proto, values))
 
 
 def import_proto(

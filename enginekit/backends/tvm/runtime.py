@@ -157,8 +157,10 @@ class TvmEngine(Engine):
         import tvm
 
         # DLPack (as this TVM speaks it) cannot export a read-only array (np.frombuffer,
-        # onnx.numpy_helper, broadcast views): those are copied.
-        aligned = array.ctypes.data % _ALIGN == 0
+        # onnx.numpy_helper, broadcast views): those are copied. An empty array is copied too:
+        # numpy gives it zero strides, which the compiled kernel's stride check rejects
+        # ("Mismatched data.strides") whenever its pointer happens to be aligned.
+        aligned = array.ctypes.data % _ALIGN == 0 and array.size > 0
         if self._cpu and array.flags.c_contiguous and array.flags.writeable and aligned:
             return tvm.runtime.from_dlpack(array)  # zero copy
         # Not np.ascontiguousarray: it makes a 0-d array 1-d, which the VM rejects for a

@@ -163,6 +163,6 @@ class Compiler:
         from enginekit.backends.tvm import frontend, lower
 
         target = lower.resolve_target(dict(self.recipe.target) or None, device)
-        mod = frontend.import_proto(shared.bind(self.proto(), values), self._dtypes)
+        mod = frontend.import_proto(frontend.bound(self.proto(), values), self._dtypes)
         log.info("tvm: compiling a program for %s", shared.describe(values))
         return compile_program(mod, target, self.recipe)
