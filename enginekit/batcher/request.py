@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from enginekit.batcher.slot import Slot
 from enginekit.engine import Engine, to_numpy
-from enginekit.errors import EngineInputError, UsageError
+from enginekit.errors import DeadlineExceeded, EngineInputError, UsageError
 
 QUEUED, TAKEN, DEAD = 0, 1, 2
 
@@ -60,6 +61,21 @@ class Request:
         self.arrival = arrival
         self.deadline = deadline
         self.state = QUEUED
+
+
+def fail_expired(expired: Sequence[Request], batcher: str) -> None:
+    """Fail requests that were dropped from the queue at their deadline (outside the lock)."""
+    now = time.monotonic()
+    for r in expired:
+        if r.future.set_running_or_notify_cancel():
+            r.future.set_exception(
+                DeadlineExceeded(
+                    f"batcher {batcher!r}: request waited {(now - r.arrival) * 1e3:.1f} ms in "
+                    f"the queue, past its {(r.deadline - r.arrival) * 1e3:g} ms deadline; the "
+                    "engine is overloaded — add capacity, lower the load, or allow a longer "
+                    "timeout_ms"
+                )
+            )
 
 
 def _closest(name: str, names: Sequence[str]) -> str:
