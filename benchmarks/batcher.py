@@ -42,6 +42,7 @@ ceiling (both beside the load generator); at the lowest rate its p99 latency <= 
 futures) the other, for the ceiling and the batcher alike.
 
     python benchmarks/batcher.py [--quick] [--seconds 2] [--models cnn,resnet18,bert] [--json f]
+                                  [--switch-interval s]
 
 Timings on a shared machine are noisy: the load average is printed, and every ratio comes from
 cells measured next to each other.
@@ -515,7 +516,17 @@ def main() -> None:
     p.add_argument(
         "--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS)
     )
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval seconds for every cell (default: Python's, 0.005): how "
+        "long a thread that wants the interpreter lock waits before asking its holder to drop "
+        "it — e.g. the worker coming out of the engine while the generator runs",
+    )
     args = p.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.quick:
         args.seconds = min(args.seconds, 0.2)
     names = args.models.split(",")
@@ -528,7 +539,8 @@ def main() -> None:
     print(f"load average {load:.1f} on {os.cpu_count()} CPUs (a loaded machine skews every cell)")
     print(
         f"batcher: max_delay_ms={MAX_DELAY_MS}, adaptive dispatch, 1 worker; pool: "
-        f"{POOL_THREADS} threads; ONNX Runtime intra-op threads: {args.threads or 'default'}"
+        f"{POOL_THREADS} threads; ONNX Runtime intra-op threads: {args.threads or 'default'}; "
+        f"switch interval {sys.getswitchinterval() * 1e3:g} ms"
     )
     results: list[dict[str, Any]] = []
     goals = []
@@ -563,6 +575,7 @@ def main() -> None:
             "isa": sorted(cpu_flags()),
             "load_average": load,
             "intra_op_threads": args.threads,
+            "switch_interval_s": sys.getswitchinterval(),
             "seconds_per_cell": args.seconds,
             "rows": results,
             "goals": table,
