@@ -22,7 +22,8 @@ the goals of issue 16, each met or not met.
 
     python benchmarks/peer.py [--rounds 5] [--size 224] [--backends onnxruntime,openvino,xla]
                               [--auto-backends onnxruntime,openvino] [--models resnet50,bert]
-                              [--gap 0.2] [--cache DIR] [--json out.json]
+                              [--precisions fp32,int8] [--gap 0.2] [--cache DIR]
+                              [--json out.json]
     python benchmarks/peer.py --quick      # a smoke test that the suite runs: tiny shapes
 
 TVM is opt-in (``--backends ...,tvm``): untuned it is 50-150x slower than ONNX Runtime and
@@ -173,8 +174,11 @@ def openvino(path: Path, f32: bool) -> Callable[[Feeds], np.ndarray]:
     return run
 
 
-def enginekit_engines(w: Workload, backends: list[str]) -> dict[str, Any]:
-    """Every backend x precision this host can build; a failed build is reported, not fatal."""
+def enginekit_engines(
+    w: Workload, backends: list[str], precisions: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """Every backend x precision this host can build (only ``precisions`` when given); a failed
+    build is reported, not fatal."""
     out: dict[str, Any] = {}
     for name in backends:
         try:
@@ -187,6 +191,8 @@ def enginekit_engines(w: Workload, backends: list[str]) -> dict[str, Any]:
             continue
         offered = getattr(ek.backends.get(name), "PRECISIONS", ("fp32",))
         for precision in offered:
+            if precisions is not None and precision not in precisions:
+                continue
             if precision in ("fp16", "bf16") and not _native(precision):
                 continue
             if name == "onnxruntime" and precision in ("fp16", "bf16"):
@@ -275,6 +281,7 @@ def measure(
     auto_backends: list[str] | None = None,
     auto_duration: float = 0.5,
     gap: float = 0.2,
+    precisions: tuple[str, ...] | None = None,
 ) -> list[dict[str, Any]]:
     """Every engine on every batch of ``w``, timed interleaved; one row per engine and batch.
 
@@ -286,7 +293,7 @@ def measure(
             runners[label] = openvino(w.path, f32)
         except Exception as exc:  # not installed, or cannot read the model
             runners[label] = f"unavailable: {exc}"[:200]
-    for label, engine in enginekit_engines(w, backends).items():
+    for label, engine in enginekit_engines(w, backends, precisions).items():
         runners[label] = engine if isinstance(engine, str) else _first_output(engine)
     only_b1: set[str] = set()
     if "openvino" in backends and any(b[next(iter(b))].shape[0] == 1 for b in w.batches):
@@ -433,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="backends --backend auto chooses among ('' for no auto row)")  # fmt: skip
     p.add_argument("--auto-duration", type=float, default=0.5,
                    help="auto's bench seconds per candidate (default 0.5)")  # fmt: skip
+    p.add_argument("--precisions", help="enginekit precisions to build, e.g. fp32 (default: "
+                   "every one the host can run)")  # fmt: skip
     p.add_argument("--gap", type=float, default=0.2,
                    help="idle seconds before each timed call: the previous engine's threads "
                    "stop spinning (default 0.2)")  # fmt: skip
@@ -460,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             p.error(f"unknown model {model!r}: resnet50 or bert")
         print(f"{w.name}: building and timing", file=sys.stderr)
-        done = measure(w, backends, rounds, auto_backends, args.auto_duration, args.gap)
+        precisions = tuple(args.precisions.split(",")) if args.precisions else None
+        done = measure(w, backends, rounds, auto_backends, args.auto_duration, args.gap, precisions)
         print_table(done)  # each model as it finishes: a long run shows results early
         print(flush=True)
         rows += done

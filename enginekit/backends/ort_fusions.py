@@ -3,13 +3,13 @@
 Its optimizer rewrites encoder/decoder subgraphs into ONNX Runtime's fused contrib ops
 (``Attention``, ``SkipLayerNormalization``, ``BiasGelu``, ``FastGelu``, ...). A session's own
 graph optimizer (level ``extended`` and above) already makes several of these itself
-(``SkipLayerNormalization``, ``BiasGelu``, ``FastGelu``, ``LayerNormalization``): when every op
-the optimizer fused is one the session makes on the unfused graph too, the fused graph is not
-kept and nothing is timed (a timing of two equal graphs only picks noise). Otherwise the fused
-graph is kept only where it measures faster than the unfused one at the build's opt shapes
-(both with the session's optimizations on top). The build records what was fused, what the
-session fuses itself, the two times and the choice as a pass in ``manifest["passes"]``. The
-engine is verified against the user's model like every build.
+(``SkipLayerNormalization``, ``BiasGelu``, ``FastGelu``, ``LayerNormalization``): when the
+session's own optimization of the fused and of the unfused graph has the same ops (shape
+plumbing aside: Shape, Concat, Reshape, ...), the fused graph is not kept and nothing is timed (a timing of two equal graphs only picks noise).
+Otherwise the fused graph is kept only where it measures faster than the unfused one at the
+build's opt shapes (both with the session's optimizations on top). The build records what was
+fused, where the session's graphs of the two differ, the two times and the choice as a pass in
+``manifest["passes"]``. The engine is verified against the user's model like every build.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ MODES = ("auto", "bert", "gpt2", "off")
 #: Op types whose presence marks a transformer block (attention's softmax, a normalization).
 _ATTENTION = {"Softmax"}
 _NORMS = {"LayerNormalization", "SimplifiedLayerNormalization", "ReduceMean"}
+#: Ops that only move shapes or views (no arithmetic on tensors): the optimizer also tidies
+#: these, which alone is no reason to time the two graphs.
+_PLUMBING = {"Shape", "Concat", "Reshape", "Unsqueeze", "Squeeze", "Constant", "Identity"}
 #: Keep the fused graph only when it is at least this much faster (measurement noise).
 MIN_GAIN = 1.03
 
@@ -119,14 +122,21 @@ def choose(
         detail["kept"] = False
         detail["why"] = "no pattern matched"
         return original, PassRecord("transformer_fusions", before, before, seconds, detail)
-    if mode == "auto" and session_ops is not None:
-        own = session_ops(original)
-        detail["session_fuses"] = {op: own.get(op, 0) for op in stats}
-        if all(own.get(op, 0) >= n for op, n in stats.items()):
-            detail["kept"] = False
-            detail["why"] = "the session's own optimizer makes these fused ops itself"
-            return original, PassRecord("transformer_fusions", before, before, seconds, detail)
     fused_bytes = fused.SerializeToString()
+    if mode == "auto" and session_ops is not None:
+        # What the session runs is its own optimization of either graph: when both come out
+        # with the same compute ops, the optimizer's fusions are ones the session makes itself.
+        unfused_ops, fused_ops = session_ops(original), session_ops(fused_bytes)
+        differ = {
+            op: [unfused_ops.get(op, 0), fused_ops.get(op, 0)]
+            for op in sorted(set(unfused_ops) | set(fused_ops))
+            if unfused_ops.get(op, 0) != fused_ops.get(op, 0)
+        }
+        detail["session_ops_differ"] = differ
+        if not set(differ) - _PLUMBING:
+            detail["kept"] = False
+            detail["why"] = "the session makes the same ops of both graphs: it fuses these itself"
+            return original, PassRecord("transformer_fusions", before, before, seconds, detail)
     if feeds is None:
         keep = mode != "auto"
         detail["why"] = "forced by the option, untimed" if keep else "no opt shapes to time on"
