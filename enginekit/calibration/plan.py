@@ -223,9 +223,10 @@ def _search(
     with step(f"searching int8 plans for {target}"):
         result = search(model.proto, table, rows, target, write, fallback, runner, runs_on)
     entry = {**entry, "accuracy_search": result.manifest_entry(target)}
-    method, _, corrected = result.chosen.method.partition("+")
+    method, *steps = result.chosen.method.split("+")
     entry["method"] = method
-    entry["bias_correction"] = bool(corrected)
+    entry["sum_preserving_rounding"] = "sums" in steps
+    entry["bias_correction"] = "bias" in steps
     return Quantized(load_model(result.model), table, held, entry)
 
 

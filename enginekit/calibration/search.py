@@ -5,8 +5,9 @@ min_top1_agreement=0.97))`` runs :func:`search` instead of writing one Q/DQ mode
 
 1. candidate bases: the Q/DQ model from the table's ranges under each calibration method the
    table can give (entropy, percentile, minmax: same histograms, no new pass over the data);
-   each is measured and the most accurate one is kept, then the same with its biases corrected
-   (:mod:`enginekit.calibration.bias`), kept if it measures better;
+   each is measured and the most accurate one is kept, then the same with its weights
+   re-rounded to keep each channel's sum (:mod:`enginekit.calibration.rounding`), then with
+   its biases corrected (:mod:`enginekit.calibration.bias`), each kept if it measures better;
 2. sensitivity: each quantized layer is quantized *alone* (every other layer in float) and the
    output error it causes is measured on held-out calibration rows. Measured alone, a layer's
    own error shows even when many small errors add up (reverting one layer from a fully
@@ -39,6 +40,7 @@ from enginekit import target as host_target
 from enginekit.calibration.accuracy import ort_runner
 from enginekit.calibration.bias import correct_bias
 from enginekit.calibration.fallback import keep_float, quantized_nodes
+from enginekit.calibration.rounding import preserve_sums
 from enginekit.calibration.table import CalibrationTable
 from enginekit.errors import BuildError, CalibrationError
 
@@ -348,6 +350,13 @@ def search(
         bases[method] = write(table if method == table.method else table.with_method(method))
         evaluate(method, bases[method], ())
     best = max(plans, key=lambda p: (p.met, _score(p), -p.seconds))
+    if not best.met:  # sum-preserving rounding of the best base, kept when it measures better
+        rounded, changed = preserve_sums(bases[best.method], source)
+        if changed:
+            label = f"{best.method}+sums"
+            bases[label] = rounded
+            plan = evaluate(label, rounded, ())
+            best = max((best, plan), key=lambda p: (p.met, _score(p)))
     if not best.met:  # bias correction of the best base, kept when it measures better
         corrected, fixed = correct_bias(bases[best.method], source, rows)
         if fixed:
