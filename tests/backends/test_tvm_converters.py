@@ -65,3 +65,17 @@ def test_non_max_suppression_is_refused_before_compiling(tmp_path):
     path = _save(tmp_path, [node], inputs, {"sel": TensorProto.INT64}, 11)
     with pytest.raises(BuildError, match=r"op 'NonMaxSuppression' at node 'nms'.*depends on"):
         ek.build(path, backend="tvm", shapes={"boxes": [(1, 4, 4)] * 3, "scores": [(1, 1, 4)] * 3})
+
+
+def test_reduce_max_of_all_minus_infinity_is_minus_infinity(tmp_path):
+    # TVM starts max at float32's lowest finite value and returned it; ONNX's Attention body
+    # compares the row max of its mask bias with -inf, so fully masked rows became NaN.
+    init = [onnx.numpy_helper.from_array(np.array(-np.inf, np.float32), "ninf")]
+    nodes = [
+        helper.make_node("ReduceMax", ["x"], ["m"], axes=[1], keepdims=1),
+        helper.make_node("Equal", ["m", "ninf"], ["e"]),
+        helper.make_node("Cast", ["e"], ["y"], to=F),
+    ]
+    path = _save(tmp_path, nodes, {"x": (F, (3, 2))}, {"m": F, "y": F}, 17, init)
+    lowest = np.finfo(np.float32).min
+    _check(path, {"x": np.array([[-np.inf, -np.inf], [lowest, -np.inf], [1, 2]], np.float32)})

@@ -231,6 +231,38 @@ def converters() -> dict[str, Any]:
             gate = relax.op.where(tiny, soft, relax.op.tanh(soft))
             return bb.emit(relax.op.multiply(x, gate))
 
+    def infinite_extreme(stock: Any, sign: float) -> Any:
+        """A ReduceMax (sign -1) or ReduceMin (+1) converter whose result over elements that
+        are all -inf (+inf) is -inf (+inf): TVM 0.27 starts the reduction at the dtype's
+        finite lowest (highest) value and returns that. ONNX's Attention body tests
+        ``ReduceMax(bias) == -inf`` to give a fully masked row 0; the row became NaN."""
+
+        def fix(cls: Any, version: int, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            impl = getattr(super(cls, cls), f"_impl_v{version}")
+            y = bb.normalize(impl(bb, inputs, attr, params))
+            dtype = y.ty.dtype
+            if str(dtype) not in ("float16", "float32", "float64"):
+                return y
+            bound = float(np.finfo(str(dtype)).max) * sign
+            edge = relax.const(bound, dtype)
+            # Only elements equal to the bound or beyond it (infinite) leave the bound.
+            hits = bb.emit(relax.op.astype(relax.op.equal(inputs[0], edge), dtype))
+            hit = bb.normalize(impl(bb, [hits, *list(inputs)[1:]], attr, params))
+            at_edge = relax.op.less_equal(y, edge) if sign < 0 else relax.op.greater_equal(y, edge)
+            none = relax.op.less(hit, relax.const(0.5, dtype))
+            infinite = relax.const(sign * np.inf, dtype)
+            return bb.emit(relax.op.where(relax.op.logical_and(at_edge, none), infinite, y))
+
+        return type(
+            stock.__name__,
+            (stock,),
+            {
+                "__doc__": infinite_extreme.__doc__,
+                "_impl_v11": classmethod(lambda cls, *a: fix(cls, 11, *a)),
+                "_impl_v18": classmethod(lambda cls, *a: fix(cls, 18, *a)),
+            },
+        )
+
     class LpNormalization(onnx_frontend.OnnxOpConverter):
         """x / ||x||_p along ``axis`` (p 1 or 2); TVM 0.27 has no converter. A zero norm gives
         0, as ONNX Runtime does."""
@@ -269,6 +301,8 @@ def converters() -> dict[str, Any]:
     return {
         **rnn.converters(),
         "CumProd": CumProd,
+        "ReduceMax": infinite_extreme(onnx_frontend.ReduceMax, -1.0),
+        "ReduceMin": infinite_extreme(onnx_frontend.ReduceMin, 1.0),
         "Mish": Mish,
         "LpNormalization": LpNormalization,
         "ReverseSequence": ReverseSequence,
