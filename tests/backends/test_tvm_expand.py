@@ -120,3 +120,35 @@ def test_layer_normalization_over_several_axes_with_mean_and_inv_std_dev(tmp_pat
     path = tmp_path / "layernorm.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     _check(path, {"x": (2, 3, 4), "scale": (3, 4), "bias": (3, 4)})
+
+
+def test_constant_value_floats_inside_an_if_branch_imports(tmp_path):
+    # Expanded function bodies (AffineGrid's) hold Constant<value_ints=...> in If branches;
+    # only the top-level graph's were rewritten ("no value in Constant").
+    def branch(name, values):
+        const = helper.make_node("Constant", [], [name], value_floats=values)
+        out = helper.make_tensor_value_info(name, TensorProto.FLOAT, (2,))
+        return helper.make_graph([const], name, [], [out])
+
+    nodes = [
+        helper.make_node(
+            "If", ["c"], ["v"], then_branch=branch("a", [1, 2]), else_branch=branch("b", [3, 4])
+        ),
+        helper.make_node("Add", ["x", "v"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("c", TensorProto.BOOL, ()),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, (2,)),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, (2,))],
+    )
+    path = tmp_path / "if.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    shapes = {"c": [()] * 3, "x": [(2,)] * 3}
+    x = np.zeros(2, np.float32)
+    with ek.build(path, backend="tvm", shapes=shapes, simplify=False) as engine:
+        for c, want in ((True, [1, 2]), (False, [3, 4])):
+            np.testing.assert_array_equal(engine.infer({"c": np.array(c), "x": x})["y"], want)

@@ -9,6 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from enginekit.errors import BuildError
+
+#: Ops TVM's importer converts but whose output shape depends on the input values, which the
+#: compiled program cannot produce: refused before import, naming op and node.
+DATA_DEPENDENT = {
+    "NonMaxSuppression": "the number of selected boxes",
+}
+
 
 def converters() -> dict[str, Any]:
     """enginekit's converters, registered over the stock ones for the ops they fix."""
@@ -178,10 +186,126 @@ def converters() -> dict[str, Any]:
             inv = bb.emit(relax.op.rsqrt(relax.op.add(var, relax.const(eps, dtype))))
             return relax.Tuple([y, mean, inv])
 
+    class CumProd(onnx_frontend.CumSum):
+        """CumSum's conversion with ``cumprod`` (TVM 0.27 has the Relax op, no converter);
+        exclusive and reverse as in ONNX."""
+
+        @classmethod
+        def _impl_v26(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            data = inputs[0]
+            axis = onnx_frontend.get_constant(inputs[1], params)
+            if not isinstance(axis, tvm.ir.GenericConst):
+                name = attr["tvm_custom"]["name"] or "<unnamed>"
+                raise BuildError(
+                    f"TVM cannot take the axis of op 'CumProd' at node {name!r} from a runtime "
+                    "value: it compiles the axis in. Make it a constant (an initializer)."
+                )
+            dim = int(axis.value.numpy().reshape(-1)[0])
+            reverse = int(attr.get("reverse", 0)) != 0
+            if reverse:
+                data = bb.emit(relax.op.flip(data, dim))
+            exclusive = int(attr.get("exclusive", 0)) != 0
+            data = bb.emit(relax.op.cumprod(data, dim, exclusive=exclusive))
+            return bb.emit(relax.op.flip(data, dim)) if reverse else data
+
+    class Mish(onnx_frontend.Mish):
+        """x * tanh(softplus(x)) with, for tiny ``e = exp(x)``, softplus(x) = e(1 - e/2) and
+        tanh(s) = s: TVM 0.27 computes log(1 + e), which is 0 there, and its fast tanh is off
+        by 2x for tiny arguments, so mish of a large negative x was wrong past ONNX's atol 1e-7
+        (its mish case failed)."""
+
+        @classmethod
+        def _impl_v18(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x = inputs[0]
+            dtype = x.ty.dtype
+            e = bb.emit(relax.op.exp(x))
+            near = relax.op.multiply(
+                e,
+                relax.op.subtract(
+                    relax.const(1.0, dtype), relax.op.multiply(e, relax.const(0.5, dtype))
+                ),
+            )
+            far = relax.op.log(relax.op.add(relax.const(1.0, dtype), e))
+            tiny = bb.emit(relax.op.less(e, relax.const(1e-4, dtype)))
+            soft = bb.emit(relax.op.where(tiny, near, far))
+            gate = relax.op.where(tiny, soft, relax.op.tanh(soft))
+            return bb.emit(relax.op.multiply(x, gate))
+
+    def infinite_extreme(stock: Any, sign: float) -> Any:
+        """A ReduceMax (sign -1) or ReduceMin (+1) converter whose result over elements that
+        are all -inf (+inf) is -inf (+inf): TVM 0.27 starts the reduction at the dtype's
+        finite lowest (highest) value and returns that. ONNX's Attention body tests
+        ``ReduceMax(bias) == -inf`` to give a fully masked row 0; the row became NaN."""
+
+        def fix(cls: Any, version: int, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            impl = getattr(super(cls, cls), f"_impl_v{version}")
+            y = bb.normalize(impl(bb, inputs, attr, params))
+            dtype = y.ty.dtype
+            if str(dtype) not in ("float16", "float32", "float64"):
+                return y
+            bound = float(np.finfo(str(dtype)).max) * sign
+            edge = relax.const(bound, dtype)
+            # Only elements equal to the bound or beyond it (infinite) leave the bound.
+            hits = bb.emit(relax.op.astype(relax.op.equal(inputs[0], edge), dtype))
+            hit = bb.normalize(impl(bb, [hits, *list(inputs)[1:]], attr, params))
+            at_edge = relax.op.less_equal(y, edge) if sign < 0 else relax.op.greater_equal(y, edge)
+            none = relax.op.less(hit, relax.const(0.5, dtype))
+            infinite = relax.const(sign * np.inf, dtype)
+            return bb.emit(relax.op.where(relax.op.logical_and(at_edge, none), infinite, y))
+
+        return type(
+            stock.__name__,
+            (stock,),
+            {
+                "__doc__": infinite_extreme.__doc__,
+                "_impl_v11": classmethod(lambda cls, *a: fix(cls, 11, *a)),
+                "_impl_v18": classmethod(lambda cls, *a: fix(cls, 18, *a)),
+            },
+        )
+
+    class LpNormalization(onnx_frontend.OnnxOpConverter):
+        """x / ||x||_p along ``axis`` (p 1 or 2); TVM 0.27 has no converter. A zero norm gives
+        0, as ONNX Runtime does."""
+
+        @classmethod
+        def _impl_v1(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x = inputs[0]
+            dtype = x.ty.dtype
+            axis, p = int(attr.get("axis", -1)), int(attr.get("p", 2))
+            if p == 1:
+                norm = relax.op.sum(relax.op.abs(x), [axis], keepdims=True)
+            else:
+                norm = relax.op.sqrt(relax.op.sum(relax.op.multiply(x, x), [axis], keepdims=True))
+            norm = bb.emit(norm)
+            zero = relax.const(0.0, dtype)
+            safe = relax.op.where(relax.op.equal(norm, zero), relax.const(1.0, dtype), norm)
+            return bb.emit(relax.op.divide(x, safe))
+
+    class ReverseSequence(onnx_frontend.OnnxOpConverter):
+        """Relax's reverse_sequence (TVM 0.27 has the op, no converter)."""
+
+        @classmethod
+        def _impl_v10(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            lens = bb.emit(relax.op.astype(inputs[1], "int64"))
+            return bb.emit(
+                relax.op.reverse_sequence(
+                    inputs[0],
+                    lens,
+                    seq_axis=int(attr.get("time_axis", 0)),
+                    batch_axis=int(attr.get("batch_axis", 1)),
+                )
+            )
+
     from enginekit.backends.tvm import rnn
 
     return {
         **rnn.converters(),
+        "CumProd": CumProd,
+        "ReduceMax": infinite_extreme(onnx_frontend.ReduceMax, -1.0),
+        "ReduceMin": infinite_extreme(onnx_frontend.ReduceMin, 1.0),
+        "Mish": Mish,
+        "LpNormalization": LpNormalization,
+        "ReverseSequence": ReverseSequence,
         "LayerNormalization": LayerNormalization,
         "HardSigmoid": HardSigmoid,
         "HardSwish": HardSwish,

@@ -11,7 +11,7 @@ every op is one TVM converts or one with no body (which :func:`frontend.check_op
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -207,11 +207,19 @@ def constant_values(proto: Any) -> Any:
             a.name in _CONSTANT_ATTRS for a in node.attribute
         )
 
-    if all(plain(n) for n in proto.graph.node):
+    def nodes(graph: Any) -> Iterator[Any]:
+        """Every node of ``graph``, those of its subgraphs (If branches) included."""
+        for node in graph.node:
+            yield node
+            for a in node.attribute:
+                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    yield from nodes(g)
+
+    if all(plain(n) for n in nodes(proto.graph)):
         return proto
     out = onnx.ModelProto()
     out.CopyFrom(proto)
-    for node in out.graph.node:
+    for node in nodes(out.graph):
         if plain(node):
             continue
         [attr] = [a for a in node.attribute if a.name in _CONSTANT_ATTRS]

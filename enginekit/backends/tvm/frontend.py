@@ -72,6 +72,7 @@ def check_nodes(proto: Any) -> None:
         if domain not in ("ai.onnx", "") or node.op_type not in known:
             missing.append((index, node, domain))
     if not missing:
+        _check_data_dependent(proto)
         _check_constant_inputs(proto)
         return
     index, node, domain = missing[0]
@@ -86,6 +87,21 @@ def check_nodes(proto: Any) -> None:
         "op into supported ones before export (`enginekit backends --json` lists what each "
         "backend converts)."
     )
+
+
+def _check_data_dependent(proto: Any) -> None:
+    """Raise BuildError naming the first node whose output shape depends on values."""
+    from enginekit.backends.tvm.converters import DATA_DEPENDENT
+
+    for index, node in enumerate(proto.graph.node):
+        if node.op_type in DATA_DEPENDENT:
+            raise BuildError(
+                f"TVM {_version()} cannot compile op {node.op_type!r} at node "
+                f"{node.name or '<unnamed>'!r} (#{index} of the graph): its output's shape "
+                f"depends on the input values ({DATA_DEPENDENT[node.op_type]}), which a "
+                "compiled TVM program cannot produce. Build this model with another backend "
+                "(e.g. --backend onnxruntime)."
+            )
 
 
 #: Inputs TVM 0.27's importer reads as constants (it builds shapes and attributes from them):
