@@ -26,6 +26,11 @@ user's cluster would already be running) and its start time is printed. (b) is r
 same dataset, alternating with (d). The breakdown: time to the first result (actor start, first
 read) and the rate after it.
 
+Reading alone is measured too: the Parquet dataset read through ``ParquetSource`` (the
+reader stage of (b), nothing else running), CPU seconds per 20k rows with the page reader
+(``enginekit.dataset.pages``: tensor values straight from the data pages) and with pyarrow's
+reader (``fast=False``, as before the page reader) — the CPU (b) spends beside the engine.
+
 All rows/s are measured side by side in one run on this (possibly shared) machine: compare the
 ratios, not the absolute numbers; ``uptime``'s load is printed.
 
@@ -209,6 +214,25 @@ def resume_after_kill(artifact: Path, src: Path, out: Path, batch: int, shard_ro
     }
 
 
+def read_cost(src: Path, rows: int, reps: int) -> dict:
+    """CPU seconds per 20k rows to read the Parquet dataset (reader stage only), page reader
+    vs pyarrow's reader; best of ``reps``."""
+    from enginekit.dataset.parquet import ParquetSource
+
+    spec = [ek.TensorSpec("x", "float32", ("batch", 3, 32, 32))]
+    out = {}
+    for fast in (True, False):
+        best = float("inf")
+        for _ in range(reps):
+            reader = ParquetSource(src, spec, None, None, False, fast=fast)
+            t = time.thread_time()
+            for _piece in reader.pieces(0, 64):
+                pass
+            best = min(best, time.thread_time() - t)
+        out["pages" if fast else "pyarrow"] = best * 20000 / rows
+    return out
+
+
 def cpu_seconds() -> float:
     """CPU seconds (user + system) this process has used so far, all threads."""
     import resource
@@ -353,6 +377,7 @@ def main() -> None:
         for rep in range(reps):
             t, n = timed(naive_parquet, engine, work / "parquet", work / f"naive{rep}", batch)
             a_r.append(n / t)
+        reading = read_cost(work / "parquet", rows, reps)
         rounds = parquet_rounds(engines, work, x, batch, reps)
         a = float(np.median(a_r))
         ray_result = None
@@ -404,6 +429,10 @@ def main() -> None:
         )
         print(f"{'':9}  rounds' b/c: {', '.join(f'{b / c:.2f}' for b, c in zip(r['b'], r['c']))}")
     print(
+        f"reading the Parquet alone: {reading['pages']:.2f} CPU-s per 20k rows with the page "
+        f"reader, {reading['pyarrow']:.2f} with pyarrow's reader"
+    )
+    print(
         f"images, {images} files: (a) {f(ia)}  (b) {f(ib)}  (c) {f(ic)} rows/s; b/a {ib / ia:.2f}"
     )
     if ray_result:
@@ -449,7 +478,7 @@ def main() -> None:
     for what, got, ok in goals:
         print(f"  {what:58} {got:45} {'met' if ok else 'NOT met'}")
     results.update(
-        batch=batch, naive=a, parquet=rounds, images={"a": ia, "b": ib, "c": ic}, ray=ray_result,
+        batch=batch, naive=a, parquet=rounds, read_cpu_per_20k=reading, images={"a": ia, "b": ib, "c": ic}, ray=ray_result,
         resume=resume, load_end=load_avg(),
         goals=[{"goal": w, "measured": g, "met": ok} for w, g, ok in goals],
     )  # fmt: skip

@@ -22,7 +22,7 @@ the goals of issue 16, each met or not met.
 
     python benchmarks/peer.py [--rounds 5] [--size 224] [--backends onnxruntime,openvino,xla]
                               [--auto-backends onnxruntime,openvino] [--models resnet50,bert]
-                              [--cache DIR] [--json out.json]
+                              [--gap 0.2] [--cache DIR] [--json out.json]
     python benchmarks/peer.py --quick      # a smoke test that the suite runs: tiny shapes
 
 TVM is opt-in (``--backends ...,tvm``): untuned it is 50-150x slower than ONNX Runtime and
@@ -274,8 +274,12 @@ def measure(
     rounds: int,
     auto_backends: list[str] | None = None,
     auto_duration: float = 0.5,
+    gap: float = 0.2,
 ) -> list[dict[str, Any]]:
-    """Every engine on every batch of ``w``, timed interleaved; one row per engine and batch."""
+    """Every engine on every batch of ``w``, timed interleaved; one row per engine and batch.
+
+    Each round calls every engine once, in an order rotated by one every round, each call after
+    ``gap`` idle seconds (the previous engine's threads stop spinning)."""
     runners: dict[str, Any] = {PLAIN: plain_ort(w.path)}
     for label, f32 in (("openvino default", False), ("openvino f32", True)):
         try:
@@ -306,10 +310,12 @@ def measure(
         ref = live[PLAIN](feeds)
         outputs = {k: run(feeds) for k, run in live.items()}  # also the warm-up
         times: dict[str, list[float]] = {k: [] for k in live}
-        for _ in range(rounds):
-            for k, run in live.items():
+        order = list(live)
+        for i in range(rounds):
+            for k in order[i % len(order) :] + order[: i % len(order)]:
+                time.sleep(gap)
                 start = time.perf_counter()
-                run(feeds)
+                live[k](feeds)
                 times[k].append(time.perf_counter() - start)
         base = statistics.median(times[PLAIN])
         ov_default = statistics.median(times.get("openvino default", [float("nan")]))
@@ -427,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="backends --backend auto chooses among ('' for no auto row)")  # fmt: skip
     p.add_argument("--auto-duration", type=float, default=0.5,
                    help="auto's bench seconds per candidate (default 0.5)")  # fmt: skip
+    p.add_argument("--gap", type=float, default=0.2,
+                   help="idle seconds before each timed call: the previous engine's threads "
+                   "stop spinning (default 0.2)")  # fmt: skip
     p.add_argument("--cache", help="keep exported models here (reused by the next run)")
     p.add_argument("--json", metavar="PATH", help="also write rows, goals and host to this file")
     args = p.parse_args(argv)
@@ -451,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             p.error(f"unknown model {model!r}: resnet50 or bert")
         print(f"{w.name}: building and timing", file=sys.stderr)
-        done = measure(w, backends, rounds, auto_backends, args.auto_duration)
+        done = measure(w, backends, rounds, auto_backends, args.auto_duration, args.gap)
         print_table(done)  # each model as it finishes: a long run shows results early
         print(flush=True)
         rows += done

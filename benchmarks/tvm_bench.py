@@ -10,6 +10,8 @@ ratios differ between AVX-512 and AVX2-only hosts.
     python benchmarks/tvm_bench.py                      # CNN 64x64 + BERT seq 32, batches 1,16
     python benchmarks/tvm_bench.py --models cnn --size 112 --trials 64 --batches 1,8,32
     python benchmarks/tvm_bench.py --json               # the results and goals as JSON
+    python benchmarks/tvm_bench.py --models corpus --corpus tv-mobilenet_v3_small,tv-resnet50
+                                                        # corpus CNNs (64x64), batches 1,16
 
 On a host with AVX512-BF16 a ``tvm NHWC bf16`` row is added (precision bf16). The goals table
 at the end says met / not met: untuned TVM NHWC at least as fast as ONNX Runtime on the CNN
@@ -186,12 +188,17 @@ def _run(
 
 #: (model, engine, the largest latency ratio to ONNX Runtime that meets the goal).
 GOALS = (("cnn", "tvm NHWC", 1.0), ("bert", "tvm", 1.25))
+#: The issue's CNN goal on corpus entries: untuned TVM at least as fast as ORT's default.
+CORPUS_GOAL = ("tvm", 1.0)
 
 
 def goals(report: dict) -> list[dict]:
     """Each goal with the measured worst ratio over the batch sizes and met / not met."""
     out = []
-    for model, engine, limit in GOALS:
+    corpus_goals = [(m, *CORPUS_GOAL) for m in report if m.startswith("corpus:")]
+    for model, engine, limit in (*GOALS, *corpus_goals):
+        if model not in report:
+            continue
         row = report.get(model, {}).get(engine)
         worst = max(row["ratio"].values()) if row else None
         out.append(
@@ -204,6 +211,31 @@ def goals(report: dict) -> list[dict]:
     return out
 
 
+def _corpus_entry(name: str, batches: list[int], rounds: int, quiet: bool) -> dict:
+    """ORT vs untuned TVM on one corpus entry (its cached batch-dynamic ONNX export)."""
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import corpus
+
+    (entry,) = corpus.select([name])
+    prepared = corpus.prepare(entry)
+    base = prepared.samples[0].feeds
+    top = max(batches)
+    shapes = {n: [(1, *a.shape[1:]), (top, *a.shape[1:]), (top, *a.shape[1:])]
+              for n, a in base.items()}  # fmt: skip
+    feeds = {b: {n: np.repeat(a[:1], b, axis=0) for n, a in base.items()} for b in batches}
+    configs: dict[str, dict] = {
+        "onnxruntime": {"backend": "onnxruntime"},
+        "tvm": {"backend": "tvm"},
+    }
+    return _run(
+        f"corpus {name}", prepared.onnx, shapes, configs, lambda b: feeds[b], batches, rounds, quiet
+    )
+
+
 def main() -> None:
     import torch
 
@@ -211,7 +243,13 @@ def main() -> None:
     from enginekit import target
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--models", default="cnn,bert", help="cnn, bert or both (default)")
+    ap.add_argument(
+        "--models", default="cnn,bert", help="cnn, bert, corpus (see --corpus); default cnn,bert"
+    )
+    ap.add_argument(
+        "--corpus", default="tv-mobilenet_v3_small,tv-resnet50",
+        help="corpus entries timed by --models corpus (default tv-mobilenet_v3_small,tv-resnet50)",
+    )  # fmt: skip
     ap.add_argument("--size", type=int, default=64, help="CNN input height and width (default 64)")
     ap.add_argument("--seq", type=int, default=32, help="BERT sequence length (default 32)")
     ap.add_argument("--batches", default="1,16", help="batch sizes (default 1,16)")
@@ -259,6 +297,9 @@ def main() -> None:
             {"x": [(1, 3, args.size, args.size), full, full]}, configs,
             lambda b: {"x": images[b]}, batches, args.rounds, quiet,
         )  # fmt: skip
+    if "corpus" in models:
+        for name in args.corpus.split(","):
+            report[f"corpus:{name}"] = _corpus_entry(name, batches, args.rounds, quiet)
     encoder = bert() if "bert" in models else None
     if "bert" in models and encoder is None:
         say("bert: skipped (pip install transformers)")

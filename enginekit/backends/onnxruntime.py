@@ -4,6 +4,7 @@ sessions on CPU, CUDA or TensorRT execution providers; an IO-binding path for de
 
 from __future__ import annotations
 
+import collections
 import logging
 import shutil
 import tempfile
@@ -278,7 +279,28 @@ def _transformer_fusions(
     def session(data: bytes) -> Any:
         return _ort().InferenceSession(data, _session_options(options, level), providers=providers)
 
-    return ort_fusions.choose(model.proto, mode, session, feeds)
+    def session_ops(data: bytes) -> Any:
+        return _optimized_op_counts(data, options, level, providers)
+
+    return ort_fusions.choose(model.proto, mode, session, feeds, session_ops=session_ops)
+
+
+def _optimized_op_counts(
+    data: bytes, options: dict[str, Any], level: str, providers: list[str]
+) -> collections.Counter[str]:
+    """Op types, counted, of the graph a session at ``level`` makes of ``data`` (weights
+    written beside it as external data: only the graph is read back)."""
+    import onnx
+
+    with tempfile.TemporaryDirectory(prefix="enginekit-ort-opt-") as tmp:
+        so = _session_options(options, level)
+        so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        so.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", "optimized.data"
+        )
+        _ort().InferenceSession(data, so, providers=providers)
+        proto = onnx.load(so.optimized_model_filepath, load_external_data=False)
+    return collections.Counter(n.op_type for n in proto.graph.node)
 
 
 def _build_trt(

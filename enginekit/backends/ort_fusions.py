@@ -1,12 +1,15 @@
 """ONNX Runtime's transformer fusions (``onnxruntime.transformers.optimizer``) at build time.
 
 Its optimizer rewrites encoder/decoder subgraphs into ONNX Runtime's fused contrib ops
-(``Attention``, ``SkipLayerNormalization``, ``BiasGelu``, ``FastGelu``, ...), patterns the
-session's own graph optimizer does not match on exported graphs. The fused graph is kept only
-where it measures faster than the unfused one at the build's opt shapes (both with the session's
-optimizations on top), and the build records what was fused, the two times and the choice as a
-pass in ``manifest["passes"]``. The engine is verified against the user's model like every
-build.
+(``Attention``, ``SkipLayerNormalization``, ``BiasGelu``, ``FastGelu``, ...). A session's own
+graph optimizer (level ``extended`` and above) already makes several of these itself
+(``SkipLayerNormalization``, ``BiasGelu``, ``FastGelu``, ``LayerNormalization``): when every op
+the optimizer fused is one the session makes on the unfused graph too, the fused graph is not
+kept and nothing is timed (a timing of two equal graphs only picks noise). Otherwise the fused
+graph is kept only where it measures faster than the unfused one at the build's opt shapes
+(both with the session's optimizations on top). The build records what was fused, what the
+session fuses itself, the two times and the choice as a pass in ``manifest["passes"]``. The
+engine is verified against the user's model like every build.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -87,6 +91,7 @@ def choose(
     make_session: Callable[[bytes], Any],
     feeds: dict[str, Any] | None,
     rounds: int = 5,
+    session_ops: Callable[[bytes], Counter[str]] | None = None,
 ) -> tuple[bytes, PassRecord | None]:
     """The model bytes to build (fused where measured faster) and the pass record.
 
@@ -96,6 +101,8 @@ def choose(
         make_session: builds an ONNX Runtime session from model bytes (the build's options).
         feeds: inputs at the build's opt shapes to time both graphs on (None: no shapes known,
             the fused graph is kept untimed only when the mode forces a model type).
+        session_ops: the op types, counted, of the graph a session makes of model bytes with
+            the build's optimizations (None: not checked; every fusion is timed).
     """
     original = proto.SerializeToString()
     kind = model_type(proto, mode)
@@ -112,6 +119,13 @@ def choose(
         detail["kept"] = False
         detail["why"] = "no pattern matched"
         return original, PassRecord("transformer_fusions", before, before, seconds, detail)
+    if mode == "auto" and session_ops is not None:
+        own = session_ops(original)
+        detail["session_fuses"] = {op: own.get(op, 0) for op in stats}
+        if all(own.get(op, 0) >= n for op, n in stats.items()):
+            detail["kept"] = False
+            detail["why"] = "the session's own optimizer makes these fused ops itself"
+            return original, PassRecord("transformer_fusions", before, before, seconds, detail)
     fused_bytes = fused.SerializeToString()
     if feeds is None:
         keep = mode != "auto"

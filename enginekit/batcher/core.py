@@ -32,11 +32,11 @@ from enginekit.batcher.defaults import (
 from enginekit.batcher.metrics import Metrics, prometheus, snapshot
 from enginekit.batcher.policy import ArrivalRate, CostModel, decide, take_size
 from enginekit.batcher.queue import WaitQueue
-from enginekit.batcher.request import Key, Layout, Request
+from enginekit.batcher.request import Key, Layout, Request, fail_expired
+from enginekit.batcher.slot import resolve_all, start_all
 from enginekit.engine import Engine
 from enginekit.errors import (
     BatcherClosed,
-    DeadlineExceeded,
     EngineInputError,
     QueueFull,
     UsageError,
@@ -44,6 +44,8 @@ from enginekit.errors import (
 
 log = logging.getLogger(__name__)
 
+# A worker resolves a batch of at most this many requests itself even when more wait.
+INLINE_RESOLVE = 4
 # A collated batch: live requests, feeds (or the error collating them), rows, its arrays.
 Prepared = tuple[list[Request], "dict[str, np.ndarray] | BaseException", int, dict[Any, np.ndarray]]
 # What a worker runs next: taken requests or a prepared batch, and requests that expired.
@@ -299,11 +301,11 @@ class Batcher:
         the queue, waiting as long as there is none), run it, hand the outputs to the helper,
         which resolves the futures while this one runs the next batch. Returns once closing
         and nothing is left to run."""
-        engine, cv, done = self.engine, self._cv, self._done
+        engine, lock, done = self.engine, self._lock, self._done
         ran: tuple[int, float, bool] | None = None
         buffers: dict[Any, np.ndarray] = {}
         while True:
-            with cv:
+            with lock:  # the Condition's lock, entered without its Python-level __enter__
                 if ran is not None:
                     self._ran(*ran)
                     self._buffer_sets.append(buffers)
@@ -335,13 +337,21 @@ class Batcher:
                 outputs, ok = exc, False
                 log.warning("batcher %r: a batch of %d rows failed: %r", self.name, rows, exc)
             elapsed = time.perf_counter() - start
-            ran = (rows, elapsed, ok)
-            # Reads without the lock: a hint is enough here.
-            if self._queue.count or self._prepared is not None:
+            # Reads without the lock: a hint is enough here. A few futures cost less to resolve
+            # here than waking the helper does (a thread switch, and the interpreter lock
+            # taken from this thread just as it starts the next batch).
+            if len(live) > INLINE_RESOLVE and (self._queue.count or self._prepared is not None):
+                ran = (rows, elapsed, ok)
                 done.put((live, outputs, ok))  # the helper resolves; this runs the next batch
             else:
-                self._finish((live, outputs, ok))  # low load: no thread switch for the results
-        with cv:
+                # Resolve here, accounting for the batch in the same lock round-trip, so that
+                # little is left to do between waking the callers and blocking or starting the
+                # next batch (the callers need the interpreter lock this thread holds).
+                ran = None
+                self._finish((live, outputs, ok), (rows, elapsed, ok), buffers)
+                if self._queue.rows >= self.max_batch_size:
+                    done.put(("wake",))  # the helper collates a full batch while this one runs
+        with lock:
             self._running -= 1
             last = self._running == 0
         if last:
@@ -351,9 +361,11 @@ class Batcher:
         self, requests: list[Request], buffers: dict[Any, np.ndarray]
     ) -> tuple[list[Request], dict[str, np.ndarray] | BaseException, int]:
         """Mark the taken requests running (dropping cancelled ones) and collate them."""
-        live = [r for r in requests if r.future.set_running_or_notify_cancel()]
-        if len(live) < len(requests):
-            self._done.put(("cancelled", len(requests) - len(live)))
+        started = start_all([r.future for r in requests])
+        live = requests if all(started) else [r for r, ok in zip(requests, started) if ok]
+        if len(live) < len(requests):  # counted before any later result can be seen
+            with self._lock:
+                self._metrics.outcomes["cancelled"] += len(requests) - len(live)
         rows = sum([r.rows for r in live])
         if not live:
             return live, {}, 0
@@ -436,6 +448,7 @@ class Batcher:
         """The requests to send now if any; otherwise when to look again and, per group, the
         row count at which to look again (under the lock)."""
         best: tuple[Any, ...] | None = None
+        best_rank: tuple[bool, int, int] | None = None
         wake, plan = math.inf, {}
         closing = self._closing
         for key, group in self._queue.groups.items():
@@ -459,12 +472,17 @@ class Batcher:
                     plan[key] = d.need
                     continue
                 reason = d.reason
+            if best is None:  # rank only when groups compete (one group is the common case)
+                best = (group, reason)
+                continue
+            if best_rank is None:
+                best_rank = best[0].rank(now, self.starve)
             rank = group.rank(now, self.starve)
-            if best is None or rank > best[0]:
-                best = (rank, group, reason)
+            if rank > best_rank:
+                best, best_rank = (group, reason), rank
         if best is None:
             return None, wake, plan
-        _, group, reason = best
+        group, reason = best
         size = take_size(group.rows, self.max_batch_size, self.preferred, reason)
         taken = self._queue.take(group, size, now, self.starve)
         m = self._metrics
@@ -485,7 +503,7 @@ class Batcher:
                     self._metrics.outcomes["expired"] += len(expired)
                 self._timer_at = due = q.next_deadline()
             if expired:
-                self._fail_expired(expired)
+                fail_expired(expired, self.name)
             try:
                 item = done.get(timeout=None if math.isinf(due) else max(due - time.monotonic(), 0))
             except queue.Empty:
@@ -495,15 +513,17 @@ class Batcher:
             self._finish(item)
             self._prepare()
 
-    def _finish(self, item: tuple[Any, ...]) -> None:
+    def _finish(
+        self,
+        item: tuple[Any, ...],
+        ran: tuple[int, float, bool] | None = None,
+        buffers: dict[Any, np.ndarray] | None = None,
+    ) -> None:
         """Act on one message for the helper: a finished batch (split, count, resolve), expired
-        requests to fail, cancelled ones to count, or a wake-up (deadlines changed)."""
+        requests to fail, or a wake-up (deadlines changed, a full batch to collate). A worker
+        that resolves its own batch passes its accounting (``ran``) and collation buffers."""
         if item[0] == "expired":
-            self._fail_expired(item[1])
-            return
-        if item[0] == "cancelled":
-            with self._lock:
-                self._metrics.outcomes["cancelled"] += item[1]
+            fail_expired(item[1], self.name)
             return
         if item[0] == "wake":
             return
@@ -520,22 +540,12 @@ class Batcher:
             m = self._metrics
             m.outcomes["completed" if ok else "failed"] += len(requests)
             m.add_many("latency", latencies)
+            if ran is not None:
+                self._ran(*ran)
+            if buffers is not None:
+                self._buffer_sets.append(buffers)
+        futures = [r.future for r in requests]
         if ok:
-            for r, res in zip(requests, results):
-                r.future.set_result(res)
+            resolve_all(futures, results)
         else:
-            for r in requests:
-                r.future.set_exception(outputs)
-
-    def _fail_expired(self, expired: list[Request]) -> None:
-        now = time.monotonic()
-        for r in expired:
-            if r.future.set_running_or_notify_cancel():
-                r.future.set_exception(
-                    DeadlineExceeded(
-                        f"batcher {self.name!r}: request waited {(now - r.arrival) * 1e3:.1f} "
-                        f"ms in the queue, past its {(r.deadline - r.arrival) * 1e3:g} ms "
-                        "deadline; the engine is overloaded — add capacity, lower the load, or "
-                        "allow a longer timeout_ms"
-                    )
-                )
+            resolve_all(futures, None, outputs)

@@ -12,9 +12,9 @@ complain about).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 
 class CostModel:
@@ -66,13 +66,14 @@ class ArrivalRate:
         return max(self.gap, now - self.last)
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """Whether to send the waiting rows now; if not, what would change that.
 
     ``need`` is the row count at which the answer flips to send (so a submit wakes the idle
     worker only once the group reaches it) and ``recheck_at`` the time at which it flips with
     no new arrival (the window's end, or the expected gap outgrowing the fixed cost).
+    A NamedTuple, not a frozen dataclass: it is built for every batch decision, and a tuple is
+    built in a third of the time.
     """
 
     send: bool

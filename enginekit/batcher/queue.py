@@ -42,6 +42,8 @@ class Group:
                 del self.levels[prio]
 
     def oldest(self) -> Request | None:
+        if len(self.levels) == 1:  # one priority level, the common case: its head
+            return next(self.heads(), None)
         return min(self.heads(), key=lambda r: r.seq, default=None)
 
     def rank(self, now: float, starve: float) -> tuple[bool, int, int]:
@@ -55,6 +57,8 @@ class Group:
     def order(self, now: float, starve: float) -> list[deque[Request]]:
         """Priority levels in serving order: a level whose oldest request has waited past the
         starvation bound goes first (oldest first), then the rest by priority, highest first."""
+        if len(self.levels) == 1:
+            return list(self.levels.values())
         heads = {r.priority: r for r in self.heads()}
         starved = sorted((r.seq, p) for p, r in heads.items() if r.arrival <= now - starve)
         rest = sorted((p for p in heads if heads[p].arrival > now - starve), reverse=True)

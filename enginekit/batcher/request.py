@@ -8,16 +8,17 @@ keys and are batched separately — or, with padding on, grouped by the bucket t
 
 from __future__ import annotations
 
-import concurrent.futures
 import difflib
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from enginekit.batcher.slot import Slot
 from enginekit.engine import Engine, to_numpy
-from enginekit.errors import EngineInputError, UsageError
+from enginekit.errors import DeadlineExceeded, EngineInputError, UsageError
 
 QUEUED, TAKEN, DEAD = 0, 1, 2
 
@@ -54,12 +55,27 @@ class Request:
         self.feeds = feeds
         # lengths: padded symbol -> this request's own size (padding only)
         self.single, self.rows, self.key, self.lengths = form
-        self.future: concurrent.futures.Future[dict[str, np.ndarray]] = concurrent.futures.Future()
+        self.future = Slot()
         self.priority = priority
         self.seq = 0
         self.arrival = arrival
         self.deadline = deadline
         self.state = QUEUED
+
+
+def fail_expired(expired: Sequence[Request], batcher: str) -> None:
+    """Fail requests that were dropped from the queue at their deadline (outside the lock)."""
+    now = time.monotonic()
+    for r in expired:
+        if r.future.set_running_or_notify_cancel():
+            r.future.set_exception(
+                DeadlineExceeded(
+                    f"batcher {batcher!r}: request waited {(now - r.arrival) * 1e3:.1f} ms in "
+                    f"the queue, past its {(r.deadline - r.arrival) * 1e3:g} ms deadline; the "
+                    "engine is overloaded — add capacity, lower the load, or allow a longer "
+                    "timeout_ms"
+                )
+            )
 
 
 def _closest(name: str, names: Sequence[str]) -> str:

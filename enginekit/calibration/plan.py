@@ -143,6 +143,9 @@ def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -
             log.warning("the model already carries Q/DQ nodes; its own scales are used")
         return Quantized(model, entry={"source": "model (Q/DQ nodes already present)"})
     held = Holdout(HOLDOUT_EVERY, HOLDOUT_CAP)
+    equalized: dict[str, Any] | None = None
+    if q.target is not None and q.target.equalize:
+        model, equalized = _equalize(model, q)
     if q.calibration is not None:
         table = as_table(q.calibration)
     elif q.calib_data is not None:
@@ -159,11 +162,28 @@ def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -
     hook = getattr(backend, "qdq_options", None)
     options = dict(hook(config)) if hook is not None else {}
     entry = {**table.manifest_entry(), "qdq": {"style": "tensorrt", **options}}
+    if equalized is not None:
+        entry["equalization"] = equalized
     if q.target is not None:
         return _search(model, config, backend, table, held.held, q, q.target, options, entry)
     with step("writing the Q/DQ model"):
         qdq = write_qdq(model, table, allow_table_mismatch=q.allow_table_mismatch, **options)
     return Quantized(load_model(qdq), table, held.held, entry)
+
+
+def _equalize(model: Model, q: Quantization) -> tuple[Model, dict[str, Any]]:
+    """The model cross-layer equalized (same float outputs) and what was done, for the
+    manifest. A table given as ``calibration=`` was made for the unequalized model: refused."""
+    if q.calibration is not None:
+        raise BuildError(
+            "accuracy target cle=on equalizes the model before calibration, so a table made "
+            "for the original model does not fit it: pass calib_data= instead of calibration="
+        )
+    from enginekit.passes.equalize import equalize
+
+    with step("cross-layer equalization"):
+        proto, info = equalize(model.proto)
+    return load_model(proto), info.to_json()
 
 
 def _search(

@@ -34,6 +34,10 @@ from enginekit.engine import Engine
 from enginekit.errors import DatasetError
 
 _END = object()
+#: Niceness added to the reader's and writer's threads (Linux; 0: none). A positive value lets
+#: the engine's threads run first and I/O fill the gaps they leave; benchmarks/dataset.py
+#: measures both (see docs/batch-inference.md, "Where the time goes").
+IO_NICE = 0
 #: The engine waiting on a queue for more than this share of its loop names that stage the
 #: bottleneck; below it, the engine itself limited the run (reading and writing were hidden).
 WAIT_SHARE = 0.1
@@ -77,6 +81,17 @@ class StageTimes:
             return "write"
         return "infer"
 
+    def __add__(self, other: StageTimes) -> StageTimes:
+        """Field by field: each stage's thread keeps its own times; the run's are their sum."""
+        return StageTimes(
+            **{
+                f.name: getattr(self, f.name) + getattr(other, f.name)
+                for f in dataclasses.fields(self)
+                if f.name != "remote"
+            },
+            remote=self.remote or other.remote,
+        )
+
     def to_json(self) -> dict[str, Any]:
         out = {
             k: round(v, 4) if isinstance(v, float) else v
@@ -99,31 +114,30 @@ class StageTimes:
 
 
 @dataclasses.dataclass
-class _Clock:
-    """Mutable timers the three threads add to (each field has one writer thread)."""
-
-    read: float = 0.0
-    read_cpu: float = 0.0
-    infer: float = 0.0
-    write: float = 0.0
-    write_cpu: float = 0.0
-    first_batch: float = 0.0
-    wait_input: float = 0.0
-    wait_output: float = 0.0
-    batches: int = 0
-
-    def freeze(self, remote: bool = False) -> StageTimes:
-        return StageTimes(**dataclasses.asdict(self), remote=remote)
-
-
-@dataclasses.dataclass
 class State:
     """Shared by the threads of one run: the first error stops all of them."""
 
     oom: int = 0
     error: BaseException | None = None
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)
-    clock: _Clock = dataclasses.field(default_factory=_Clock)
+    #: Each stage's times, added by its thread when it ends (reader, engine loop, writer).
+    times: list[StageTimes] = dataclasses.field(default_factory=list)
+
+    def stage_times(self, remote: bool = False) -> StageTimes:
+        """The run's times: the sum of what each stage recorded."""
+        return sum(self.times, StageTimes(remote=remote))
+
+
+def _lower_priority(nice: int) -> None:
+    """Lower this thread's CPU priority by ``nice`` (Linux: niceness is per thread)."""
+    import os
+
+    if nice > 0 and hasattr(os, "setpriority"):
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        except OSError:
+            pass  # not permitted: run at the usual priority
 
 
 def _put(q: queue.Queue, item: Any, state: State) -> bool:
@@ -172,52 +186,63 @@ def run_local(
     # the next instead of blocking (the writer holds a shard's outputs until it is written
     # anyway, so this at most doubles what it holds).
     outbox: queue.Queue = queue.Queue(max(4 * prefetch, -(-shard_rows // size) + prefetch))
-    clock = state.clock
 
     def read() -> None:
+        _lower_priority(IO_NICE)
         cpu = time.thread_time()
+        busy = 0.0
         try:
             batches = rebatch(src.pieces(start, size), size, shard_rows, start)
             while True:
                 t = time.perf_counter()
                 batch = next(batches, _END)
-                clock.read += time.perf_counter() - t
+                busy += time.perf_counter() - t
                 if batch is _END or not _put(inbox, batch, state):
                     break
         except BaseException as exc:
             state.error = state.error or exc
             state.stop.set()
-        clock.read_cpu = time.thread_time() - cpu
+        state.times.append(StageTimes(read=busy, read_cpu=time.thread_time() - cpu))
         _put(inbox, _END, state)
 
     began = time.perf_counter()
     reader = threading.Thread(target=read, name="enginekit-read", daemon=True)
     reader.start()
     writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state)
-    rows = 0
+    rows = batches = 0
+    first = infer = wait_input = wait_output = 0.0
     try:
         while True:
             t0 = time.perf_counter()
             batch = _get(inbox, state)
             t1 = time.perf_counter()
-            if clock.batches:
-                clock.wait_input += t1 - t0
+            if batches:
+                wait_input += t1 - t0
             else:
-                clock.first_batch = t1 - began
+                first = t1 - began
             if batch is _END:
                 break
             outputs = _infer(engine, batch.piece.inputs, state)
             t2 = time.perf_counter()
-            clock.infer += t2 - t1
-            clock.batches += 1
+            infer += t2 - t1
+            batches += 1
             rows += batch.piece.rows
             done = Batch(batch.shard, batch.last, Piece(batch.piece.ids, {}, batch.piece.rows))
             if not _put(outbox, (done, outputs), state):
                 break
-            clock.wait_output += time.perf_counter() - t2
+            wait_output += time.perf_counter() - t2
     except BaseException as exc:
         state.error = state.error or exc
         state.stop.set()
+    state.times.append(
+        StageTimes(
+            infer=infer,
+            first_batch=first,
+            wait_input=wait_input,
+            wait_output=wait_output,
+            batches=batches,
+        )
+    )
     _put(outbox, _END, state)
     writer.join()
     state.stop.set()
@@ -233,27 +258,32 @@ def write_all(
 ) -> int:  # fmt: skip
     """The writer for results computed elsewhere (Ray): same shards, same ledger."""
     outbox: queue.Queue = queue.Queue(prefetch)
-    clock = state.clock
-    rows = 0
+    rows = batches = 0
+    first = waited = wait_output = 0.0
     began = time.perf_counter()
     writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state)
     try:
         t0 = time.perf_counter()
         for item in results:
             t1 = time.perf_counter()
-            if clock.batches:
-                clock.infer += t1 - t0
+            if batches:
+                waited += t1 - t0
             else:
-                clock.first_batch = t1 - began
-            clock.batches += 1
+                first = t1 - began
+            batches += 1
             rows += item[0].piece.rows
             if not _put(outbox, item, state):
                 break
             t0 = time.perf_counter()
-            clock.wait_output += t0 - t1
+            wait_output += t0 - t1
     except BaseException as exc:
         state.error = state.error or exc
         state.stop.set()
+    state.times.append(
+        StageTimes(
+            infer=waited, first_batch=first, wait_output=wait_output, batches=batches, remote=True
+        )
+    )
     _put(outbox, _END, state)
     writer.join()
     if state.error is not None:
@@ -268,13 +298,15 @@ def start_writer(
     """The writer thread: shards from ``outbox`` until the end mark; an error stops the run."""
 
     def write() -> None:
+        _lower_priority(IO_NICE)
         cpu = time.thread_time()
+        busy = [0.0]
         try:
-            _write_loop(outbox, led, out, fmt, tensor_format, bar, state)
+            _write_loop(outbox, led, out, fmt, tensor_format, bar, state, busy)
         except BaseException as exc:
             state.error = state.error or exc
             state.stop.set()
-        state.clock.write_cpu = time.thread_time() - cpu
+        state.times.append(StageTimes(write=busy[0], write_cpu=time.thread_time() - cpu))
 
     writer = threading.Thread(target=write, name="enginekit-write", daemon=True)
     writer.start()
@@ -283,13 +315,13 @@ def start_writer(
 
 def _write_loop(
     outbox: queue.Queue, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
-    bar: Progress, state: State,
+    bar: Progress, state: State, busy: list[float],
 ) -> None:  # fmt: skip
+    """Write shards until the end mark, adding the seconds spent writing to ``busy[0]``."""
     # Only the ids and outputs of a shard's batches are kept until it is written: holding the
     # inputs too would keep a whole shard of input rows alive (and copy them when joined).
     parts: list[tuple[dict[str, Any], int, dict[str, np.ndarray]]] = []
     shard = len(led.shards)
-    clock = state.clock
     while True:
         item = _get(outbox, state)
         if item is _END:
@@ -303,11 +335,11 @@ def _write_loop(
         if batch.last:
             _commit(parts, shard, led, out, fmt, tensor_format)
             parts, shard = [], shard + 1
-        clock.write += time.perf_counter() - t
+        busy[0] += time.perf_counter() - t
     if parts and not state.stop.is_set():
         t = time.perf_counter()
         _commit(parts, shard, led, out, fmt, tensor_format)
-        clock.write += time.perf_counter() - t
+        busy[0] += time.perf_counter() - t
 
 
 def _commit(

@@ -30,7 +30,8 @@ import ray
 
 from enginekit.dataset.batches import Batch, rebatch
 from enginekit.dataset.columns import check_rows
-from enginekit.dataset.sources import ParquetSource, Piece, Source
+from enginekit.dataset.parquet import ParquetSource
+from enginekit.dataset.sources import Piece, Source, read_rows
 from enginekit.errors import ArtifactError, UsageError
 
 
@@ -56,9 +57,11 @@ class EngineActor:
         keep_inputs: bool,
         cast: bool,
         device: str | None,
+        engine_batch_size: int | None = None,
     ) -> None:
         from enginekit.backends import load
 
+        self.engine_batch_size = engine_batch_size
         if blob is not None:
             # The ObjectRef travels inside a list: Ray passes it through unresolved, and this
             # actor fetches the bytes from the object store (once per actor).
@@ -102,11 +105,24 @@ class EngineActor:
                     f"are {', '.join(map(repr, columns))} — map it with columns={{...}}"
                 )
             feeds[spec.name] = check_rows(spec, columns[col](), f"column {col!r}", self.cast)
-        outputs = self.engine.infer(feeds)
+        outputs = self._infer(feeds)
         used = set(self.columns.values())
         result = {k: get() for k, get in columns.items() if self.keep_inputs or k not in used}
         result.update(outputs)
         return result
+
+    def _infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The engine over a Ray batch, ``engine_batch_size`` rows per call (a large Ray batch
+        pays Ray's per-batch costs once for several engine calls)."""
+        n = len(next(iter(feeds.values())))
+        step = self.engine_batch_size or n
+        if step >= n:
+            return self.engine.infer(feeds)
+        parts = [
+            self.engine.infer({k: v[i : i + step] for k, v in feeds.items()})
+            for i in range(0, n, step)
+        ]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def _dense(a: np.ndarray) -> np.ndarray:
@@ -144,6 +160,7 @@ def map_engine(
     cast: bool = False,
     device: str | None = None,
     max_memory: int | str | None = None,
+    engine_batch_size: int | None = None,
     **map_batches_args: Any,
 ) -> Any:
     """``dataset.map_batches`` through the engine of ``artifact``; returns the Ray Dataset with
@@ -162,6 +179,9 @@ def map_engine(
         ship: ``"bytes"`` (through the object store; ``.ekit`` files), ``"path"`` (a shared file
             system), or ``"auto"`` (bytes for an ``.ekit`` file, the path for a folder).
         max_memory: the budget for ``"auto"``.
+        engine_batch_size: rows per engine call inside each Ray batch (default: the whole
+            batch). A Ray batch several engine batches long pays Ray's per-batch costs (the
+            call into the actor, turning its outputs into a block) once for all of them.
         map_batches_args: passed on to ``map_batches`` (e.g. ``max_restarts``).
     """
     path = Path(artifact)
@@ -192,6 +212,7 @@ def map_engine(
             keep_inputs,
             cast,
             device,
+            engine_batch_size,
         ),
         batch_size=batch_size,
         batch_format=batch_format,
@@ -246,14 +267,22 @@ def ray_batches(
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True
         ds = read_dataset(src, start)
+        # Ray batches of about 8 MB of inputs (a whole number of engine batches: the engine
+        # sees the same batches as in a local run), and the results taken block by block:
+        # Ray's costs per batch, on the actor and on the driver, are paid per 8 MB.
+        # No longer than the smallest row group either: Ray bundles blocks until a batch is
+        # full, and an actor waiting for several read tasks would not overlap with them.
+        smallest = min((n for groups in src._meta for n in groups if n), default=size)
+        ray_batch = min(read_rows(size, src.inputs), max(size, smallest // size * size))
         mapped = map_engine(
-            ds, artifact, batch_size=size, batch_format="pyarrow", columns=src.mapping
-        )
+            ds, artifact, batch_size=ray_batch, batch_format="pyarrow", columns=src.mapping,
+            engine_batch_size=size,
+        )  # fmt: skip
         names = src.keep or []
 
         def pieces() -> Iterator[Piece]:
             at = start
-            for b in mapped.iter_batches(batch_size=size, batch_format="numpy"):
+            for b in mapped.iter_batches(batch_size=None, batch_format="numpy"):
                 n = len(next(iter(b.values())))
                 outs = {k: v for k, v in b.items() if k not in names}
                 yield Piece(_ids(b, names, at, n), outs, n)
@@ -293,12 +322,14 @@ def read_dataset(src: ParquetSource, start: int) -> Any:
 
 
 def read_row_groups(batch: Any, columns: list[str] | None = None) -> Any:
-    """A Ray read task: the listed Parquet row groups, each from its ``skip``-th row on."""
+    """A Ray read task: the listed Parquet row groups, each from its ``skip``-th row on (tensor
+    columns by the page reader, as in a local run: the read tasks share the engine's CPUs)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
+
+    from enginekit.dataset.parquet import read_group
 
     tables = [
-        pq.ParquetFile(str(f)).read_row_group(int(g), columns=columns).slice(int(skip))
+        read_group(str(f), int(g), columns, int(skip))
         for f, g, skip in zip(batch["file"], batch["group"], batch["skip"])
     ]
     return pa.concat_tables(tables)

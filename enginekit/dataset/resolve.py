@@ -12,7 +12,8 @@ import numpy as np
 
 from enginekit.dataset.imagefolder import ImageSource
 from enginekit.dataset.images import IMAGE_SUFFIXES, ImagePreprocess
-from enginekit.dataset.sources import IterableSource, NumpySource, ParquetSource, Source
+from enginekit.dataset.parquet import ParquetSource
+from enginekit.dataset.sources import IterableSource, NumpySource, Source
 from enginekit.engine import TensorSpec
 from enginekit.errors import DatasetError, UsageError
 

@@ -317,5 +317,5 @@ def _summary(
         rows_per_s=inferred / seconds if seconds > 0 else 0.0,
         resumed=previous is not None,
         ray=None if not ray else (ray if isinstance(ray, str) else "local"),
-        stages=state.clock.freeze(remote=bool(ray)),
+        stages=state.stage_times(remote=bool(ray)),
     )

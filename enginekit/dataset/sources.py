@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from enginekit.dataset.columns import check_rows, closest, is_id_type, to_numpy
+from enginekit.dataset.columns import check_rows, closest
 from enginekit.engine import TensorSpec
 from enginekit.errors import DatasetError, UsageError
 
@@ -127,109 +127,6 @@ def read_rows(size: int, inputs: Sequence[TensorSpec]) -> int:
         dims = [d for d in spec.shape[1:] if isinstance(d, int)]
         row += np.dtype(spec.dtype).itemsize * int(np.prod(dims, dtype=np.int64))
     return size * max(1, READ_BYTES // max(1, row * size))
-
-
-# -- Parquet ------------------------------------------------------------------------------------
-
-
-class ParquetSource(Source):
-    """Parquet files (a file, or every ``*.parquet`` under a folder, sorted by path)."""
-
-    def __init__(
-        self,
-        path: Path,
-        inputs: Sequence[TensorSpec],
-        columns: Mapping[str, str] | None,
-        keep: Sequence[str] | None,
-        cast: bool,
-    ) -> None:
-        import pyarrow.parquet as pq
-
-        self.root = path
-        self.files = tuple(list_files(path, (".parquet", ".parq", ".pq"), "Parquet"))
-        self.inputs = tuple(inputs)
-        self.cast = cast
-        self._meta = []
-        schema = None
-        for f in self.files:
-            try:
-                meta = pq.ParquetFile(f).metadata
-            except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
-                raise DatasetError(
-                    f"Parquet file {f}: cannot read it ({exc}); replace it or remove it from the "
-                    "source folder"
-                ) from None
-            self._meta.append([meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
-            if schema is None:
-                schema = meta.schema.to_arrow_schema()
-        assert schema is not None
-        self.schema = schema
-        self.mapping = _mapping(inputs, columns, schema.names, f"Parquet source {path}")
-        used = set(self.mapping.values())
-        if keep is None:
-            self.keep = [f.name for f in schema if f.name not in used and is_id_type(f.type)]
-        else:
-            self.keep = list(keep)
-            for k in self.keep:
-                if k not in schema.names:
-                    raise DatasetError(
-                        f"Parquet source {path} has no column {k!r} to keep{closest(k, schema.names)}"
-                    )
-        self.rows = sum(sum(m) for m in self._meta)
-        self.fingerprint = file_fingerprint(self.files, path, {"columns": self.mapping})
-        self.description = f"parquet:{path}"
-
-    def pieces(self, start: int, size: int) -> Iterator[Piece]:
-        import pyarrow.parquet as pq
-
-        needed = list(dict.fromkeys([*self.mapping.values(), *self.keep]))
-        row = 0
-        for f, groups in zip(self.files, self._meta):
-            total = sum(groups)
-            if row + total <= start:
-                row += total
-                continue
-            # Skip whole row groups before ``start``; drop the rest of the gap after reading.
-            first, skip = 0, start - row if start > row else 0
-            while first < len(groups) and skip >= groups[first]:
-                skip -= groups[first]
-                row += groups[first]
-                first += 1
-            try:
-                # Memory-mapped (no copy out of the page cache), decoded on this thread: the
-                # columns pyarrow's threads would decode in parallel are mostly one tensor
-                # column, and the reader runs beside the engine, whose threads want the cores.
-                pf = pq.ParquetFile(f, memory_map=True)
-                batches = pf.iter_batches(
-                    batch_size=read_rows(size, self.inputs), row_groups=range(first, len(groups)),
-                    columns=needed, use_threads=False,
-                )  # fmt: skip
-                for rb in batches:
-                    if skip:
-                        if skip >= rb.num_rows:
-                            skip -= rb.num_rows
-                            row += rb.num_rows
-                            continue
-                        rb = rb.slice(skip)
-                        row += skip
-                        skip = 0
-                    yield self._piece(rb, f, row)
-                    row += rb.num_rows
-            except DatasetError:
-                raise
-            except Exception as exc:
-                raise DatasetError(
-                    f"Parquet file {f}: cannot read it ({exc}); replace it or remove it"
-                ) from None
-
-    def _piece(self, rb: Any, f: Path, row: int) -> Piece:
-        feeds = {}
-        for spec in self.inputs:
-            col = self.mapping[spec.name]
-            what = f"column {col!r} of {f} (rows from {row})"
-            feeds[spec.name] = check_rows(spec, to_numpy(rb.column(col), what), what, self.cast)
-        ids = {k: rb.column(k) for k in self.keep} if self.keep else _row_ids(row, rb.num_rows)
-        return Piece(ids, feeds, rb.num_rows)
 
 
 # -- .npy / .npz --------------------------------------------------------------------------------

@@ -15,6 +15,23 @@ import enginekit as ek
 tvm = pytest.importorskip("tvm", reason="the tvm backend needs apache-tvm")
 
 CNN = CASES["cnn"]
+SMALL = {"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}
+
+
+def _save(path, nodes, inits, x_shape, y_shape, opset=18):
+    """Writes a one-input (``x``), one-output (``y``) model of ``nodes`` and returns its path."""
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", *x_shape])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", *y_shape])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    if opset < 11:
+        model.ir_version = 7
+    onnx.save(model, path)
+    return path
 
 
 def test_a_failing_nhwc_conversion_builds_nchw_and_records_why(onnx_model, monkeypatch):
@@ -53,18 +70,8 @@ def test_convs_convertlayout_skips_are_named_in_the_manifest(tmp_path):
         helper.make_node("Reshape", ["c1", "square"], ["r2"]),
         helper.make_node("Conv", ["r2", "w2"], ["y"]),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 6, 6])],
-        [numpy_helper.from_array(v, k) for k, v in inits.items()],
-    )
-    path = tmp_path / "conv1d2d.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
-    with ek.build(
-        path, backend="tvm", shapes={"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}
-    ) as e:
+    path = _save(tmp_path / "conv1d2d.onnx", nodes, inits, (3, 8, 8), (4, 6, 6))
+    with ek.build(path, backend="tvm", shapes=SMALL) as e:
         meta = e.manifest["backend"]["metadata"]
         assert meta["layout"] == "NHWC"
         assert meta["conv_layouts"] == {"NCW/OIW": 1, "NHWC/HWIO": 1}
@@ -92,20 +99,8 @@ def test_nhwc_passes_through_clip_without_transposes(tmp_path, opset):
         clip,
         helper.make_node("Conv", ["r", "w2"], ["y"]),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 8, 8])],
-        [numpy_helper.from_array(v, k) for k, v in inits.items()],
-    )
-    path = tmp_path / "relu6.onnx"
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 7
-    onnx.save(model, path)
-    with ek.build(
-        path, backend="tvm", shapes={"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}
-    ) as e:
+    path = _save(tmp_path / "relu6.onnx", nodes, inits, (3, 8, 8), (4, 8, 8), opset)
+    with ek.build(path, backend="tvm", shapes=SMALL) as e:
         meta = e.manifest["backend"]["metadata"]
         assert meta["conv_layouts"] == {"NHWC/HWIO": 2}
         assert meta["transposes"] == 2  # the input in, the output out
@@ -131,18 +126,8 @@ def test_nhwc_relays_per_channel_constants_of_lower_rank(tmp_path):
         helper.make_node("Relu", ["cs"], ["cr"]),
         helper.make_node("Conv", ["cr", "w2"], ["y"]),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 8, 8])],
-        [numpy_helper.from_array(v, k) for k, v in inits.items()],
-    )
-    path = tmp_path / "concat_scale.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
-    with ek.build(
-        path, backend="tvm", shapes={"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}
-    ) as e:
+    path = _save(tmp_path / "concat_scale.onnx", nodes, inits, (3, 8, 8), (4, 8, 8))
+    with ek.build(path, backend="tvm", shapes=SMALL) as e:
         assert e.manifest["backend"]["metadata"]["transposes"] == 2
         x = {"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)}
         np.testing.assert_allclose(e.infer(x)["y"], reference(path, x)["y"], rtol=1e-4, atol=1e-3)
@@ -164,15 +149,7 @@ def _squeeze_model(tmp_path):
         helper.make_node("Unsqueeze", ["s", "axes"], ["u"]),
         helper.make_node("Conv", ["u", "w2"], ["y"]),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5, 8, 1])],
-        [numpy_helper.from_array(v, k) for k, v in inits.items()],
-    )
-    path = tmp_path / "squeeze.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    path = _save(tmp_path / "squeeze.onnx", nodes, inits, (3, 8, 3), (5, 8, 1))
     return path
 
 
@@ -229,18 +206,8 @@ def test_nhwc_passes_through_hardswish_and_hardsigmoid_without_transposes(tmp_pa
         helper.make_node("Mul", ["h", "g"], ["m"]),
         helper.make_node("Conv", ["m", "w2"], ["y"]),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 8, 8])],
-        [numpy_helper.from_array(v, k) for k, v in inits.items()],
-    )
-    path = tmp_path / "hardswish.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
-    with ek.build(
-        path, backend="tvm", shapes={"x": [(1, 3, 8, 8), (2, 3, 8, 8), (2, 3, 8, 8)]}
-    ) as e:
+    path = _save(tmp_path / "hardswish.onnx", nodes, inits, (3, 8, 8), (4, 8, 8))
+    with ek.build(path, backend="tvm", shapes=SMALL) as e:
         meta = e.manifest["backend"]["metadata"]
         assert meta["conv_layouts"] == {"NHWC/HWIO": 2}
         assert meta["transposes"] == 2

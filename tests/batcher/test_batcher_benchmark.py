@@ -41,6 +41,14 @@ def test_quick_run_reports_every_mode_at_every_rate(script, onnx_model):
             assert 0 < r["p50_ms"] <= r["p99_ms"]
             assert r["ceiling"] > 0 and r["of_ceiling"] == r["throughput"] / r["ceiling"]
     assert rows[-1]["mode"] == "ceiling" and rows[-1]["generator_cpu_us"] > 0
+    # The goal's ceiling ran beside the load generator, as the cell did; the cell's rate is
+    # counted while the generator ran.
+    top = [r for r in rows if r["mode"] == "batcher"][-1]
+    assert top["ceiling_beside_generator"] > 0 and top["throughput_arriving"] > 0
+    assert top["of_ceiling_beside_generator"] == (
+        top["throughput_arriving"] / top["ceiling_beside_generator"]
+    )
+    assert 0 <= top["full_batches"] <= 1 and top["engine_ms_per_batch"] > 0
     goals = script.goals_for("cnn", rows)
     assert [g[0].split(":")[1].split()[0] for g in goals] == ["highest", "lowest-rate"]
 

@@ -176,3 +176,52 @@ def test_openvino_measures_the_plans_with_its_own_int8_kernels(data):
     found = engine.manifest["calibration"]["accuracy_search"]
     assert found["measured_on"].startswith("openvino CPU")
     assert "fc2" in [k["layer"] for k in found["kept_in_float"]]
+
+
+def conv_pair() -> onnx.ModelProto:
+    """x[batch,3,4,4] -> Conv 1x1 (channel ranges 0.01..10) -> Relu -> Conv 1x1 -> GAP ->
+    logits[batch,6]: one pair cross-layer equalization rescales."""
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((8, 3, 1, 1)).astype(np.float32)
+    w1 *= np.logspace(-2, 1, 8, dtype=np.float32).reshape(8, 1, 1, 1)
+    inits = [
+        numpy_helper.from_array(w1, "w1"),
+        numpy_helper.from_array(rng.standard_normal((CLASSES, 8, 1, 1)).astype(np.float32), "w2"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2"),
+        helper.make_node("GlobalAveragePool", ["c2"], ["p"], name="gap"),
+        helper.make_node("Flatten", ["p"], ["logits"], name="flatten"),
+    ]
+    graph = helper.make_graph(
+        nodes, "conv_pair",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4, 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", CLASSES])],
+        inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_cle_equalizes_before_calibration_and_the_manifest_says_so():
+    data = np.random.default_rng(2).standard_normal((120, 3, 4, 4)).astype(np.float32)
+    target = AccuracyTarget.parse("max_abs=1e9,cle=on")
+    assert target.equalize
+    engine = ek.build(
+        conv_pair(), precision="int8", calib_data=data, accuracy_target=target,
+        shapes={"x": [(1, 3, 4, 4), (8, 3, 4, 4), (16, 3, 4, 4)]},
+    )  # fmt: skip
+    done = engine.manifest["calibration"]["equalization"]
+    assert done["pass"] == "cross_layer_equalization" and done["pairs"] == 1
+    assert done["weight_range_spread_after"] < done["weight_range_spread_before"]
+    assert engine.manifest["calibration"]["accuracy_search"]["target"]["equalize"] is True
+    with pytest.raises(BuildError, match="is not on or off"):
+        AccuracyTarget.parse("top1=0.9,cle=maybe")
+    with pytest.raises(BuildError, match="pass calib_data= instead of calibration="):
+        ek.build(
+            conv_pair(), precision="int8", calibration=ek.calibrate(conv_pair(), data),
+            accuracy_target=target, shapes={"x": [(1, 3, 4, 4), (8, 3, 4, 4), (16, 3, 4, 4)]},
+        )  # fmt: skip

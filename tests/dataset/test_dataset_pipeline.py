@@ -115,6 +115,15 @@ def test_bottleneck_is_the_stage_the_engine_waited_on(times, bottleneck):
     assert f"bottleneck: {bottleneck}" in times.describe()
 
 
+def test_each_stage_s_times_add_up_to_the_run_s():
+    read = StageTimes(read=1.0, read_cpu=0.5)
+    loop = StageTimes(infer=2.0, wait_input=0.25, batches=3)
+    total = read + loop + StageTimes(write=0.5, remote=True)
+    assert total == StageTimes(
+        read=1.0, read_cpu=0.5, infer=2.0, write=0.5, wait_input=0.25, batches=3, remote=True
+    )
+
+
 def test_a_slow_source_is_named_the_bottleneck_and_every_batch_is_timed(ekit, tmp_path):
     import time
 

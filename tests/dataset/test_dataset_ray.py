@@ -136,3 +136,19 @@ def test_reads_run_as_tasks_beside_the_engine_actors_not_fused_into_them(cluster
     stats = mapped.stats()
     assert "MapBatches(EngineActor)" in stats and "read_row_groups)->" not in stats
     assert mapped.count() == 80  # from row 40 on
+
+
+def test_actor_runs_a_ray_batch_as_engine_batches(ekit):
+    from enginekit.dataset.ray import EngineActor, _sha256
+
+    artifact = ekit("cnn")
+    x = cnn_rows(20, seed=3)
+    actor = EngineActor(None, str(artifact), _sha256(artifact), {}, False, False, None, 8)
+    calls = []
+    infer = actor.engine.infer
+    actor.engine.infer = lambda feeds: calls.append(len(feeds["x"])) or infer(feeds)
+    got = actor({"x": x})
+    assert calls == [8, 8, 4]
+    np.testing.assert_array_equal(
+        got["output"], np.concatenate([infer({"x": x[i : i + 8]})["output"] for i in (0, 8, 16)])
+    )

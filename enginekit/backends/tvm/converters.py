@@ -178,7 +178,10 @@ def converters() -> dict[str, Any]:
             inv = bb.emit(relax.op.rsqrt(relax.op.add(var, relax.const(eps, dtype))))
             return relax.Tuple([y, mean, inv])
 
+    from enginekit.backends.tvm import rnn
+
     return {
+        **rnn.converters(),
         "LayerNormalization": LayerNormalization,
         "HardSigmoid": HardSigmoid,
         "HardSwish": HardSwish,

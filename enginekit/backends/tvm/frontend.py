@@ -27,10 +27,11 @@ _DIRECT = frozenset({"If", "Constant"})
 
 
 def supported_ops() -> list[str]:
-    """ONNX op types (default domain) the Relax ONNX frontend of the installed TVM converts."""
+    """ONNX op types (default domain) the Relax ONNX frontend of the installed TVM converts,
+    with enginekit's own converters."""
     from tvm.relax.frontend.onnx import onnx_frontend
 
-    return sorted(set(onnx_frontend._get_convert_map()) | _DIRECT)
+    return sorted(set(onnx_frontend._get_convert_map()) | set(converters()) | _DIRECT)
 
 
 def check_ops(model: Model) -> None:
@@ -40,10 +41,26 @@ def check_ops(model: Model) -> None:
     Raises:
         BuildError: op type, domain, node name and index, and what to do.
     """
-    from enginekit.backends.tvm.expand import expand_functions
-
-    proto, _ = expand_functions(model.proto, set(supported_ops()))
+    proto, _ = _rewritten(model.proto)
     check_nodes(proto)
+
+
+def _rewritten(proto: Any) -> tuple[Any, list[str]]:
+    """``proto`` with function ops expanded to their bodies and Scans unrolled (a body may
+    hold a Scan, a Scan's body function ops); the op types rewritten."""
+    from enginekit.backends.tvm.expand import expand_functions
+    from enginekit.backends.tvm.scan import unroll_scans
+
+    known = set(supported_ops())
+    proto, expanded = expand_functions(proto, known)
+    if expanded and any(n.op_type == "Scan" for n in proto.graph.node):
+        # A body's Scan gets its length from Shape arithmetic that folds once simplified.
+        proto = _folded(proto)
+    proto, scans = unroll_scans(proto)
+    if scans:
+        proto, again = expand_functions(proto, known)
+        expanded = sorted({*expanded, *again, "Scan"})
+    return proto, expanded
 
 
 def check_nodes(proto: Any) -> None:
@@ -273,12 +290,12 @@ def import_proto(
     """:func:`import_onnx` on a ModelProto whose graph inputs have the ``dtypes`` given."""
     from tvm.relax.frontend.onnx import from_onnx
 
-    from enginekit.backends.tvm.expand import constant_values, expand_functions
+    from enginekit.backends.tvm.expand import constant_values
 
-    proto, expanded = expand_functions(source, set(supported_ops()))
+    proto, expanded = _rewritten(source)
     proto = constant_values(proto)
     if expanded:
-        log.info("tvm: expanded to their ONNX function bodies: %s", ", ".join(expanded))
+        log.info("tvm: rewritten into simpler ops: %s", ", ".join(expanded))
         proto = _folded(proto)
     check_nodes(proto)
     try:
@@ -297,6 +314,8 @@ def import_proto(
                 keep_params_in_input=False,
                 sanitize_input_names=True,
             )
+    except BuildError:
+        raise  # enginekit's converters name the op and node themselves
     except Exception as exc:
         raise BuildError(
             f"TVM's Relax ONNX frontend failed on the model: {type(exc).__name__}: "

@@ -163,7 +163,9 @@ class TvmEngine(Engine):
         aligned = array.ctypes.data % _ALIGN == 0 and array.size > 0
         if self._cpu and array.flags.c_contiguous and array.flags.writeable and aligned:
             return tvm.runtime.from_dlpack(array)  # zero copy
-        return tvm.runtime.tensor(np.ascontiguousarray(array), device=self._dev)
+        # Not np.ascontiguousarray: it makes a 0-d array 1-d, which the VM rejects for a
+        # scalar input (Trilu's k, Pow's exponent).
+        return tvm.runtime.tensor(np.require(array, requirements="C"), device=self._dev)
 
     def _from_tvm(self, value: Any) -> np.ndarray:
         if isinstance(value, (tuple, int)):

@@ -73,6 +73,30 @@ def _vector_factor(extent: int | None, lanes: int) -> int | None:
     return None
 
 
+#: Vectors of accumulators in a tile without a register-blocked row, widest first.
+_WIDE = (6, 5, 4, 3)
+
+
+def _wide_vector_factor(extent: int | None, lanes: int) -> int | None:
+    if extent is None:
+        return None
+    return next((k * lanes for k in _WIDE if extent % (k * lanes) == 0), None)
+
+
+def _row_factor(sch: Any, loop: Any, lanes: int) -> int:
+    """The register block for ``loop``: from its extent, or for a symbolic extent padded by
+    :func:`_pad_rows` the block it was padded to (provably divisible, so no predicate)."""
+    extent = _extent(sch, loop)
+    if extent is not None:
+        return _block_factor(extent, lanes)
+    from tvm import sym, tirx
+
+    factor = (_BLOCKS_WIDE if lanes >= 16 else _BLOCKS)[0]
+    expr = sch.get(loop).extent
+    divisible = sym.Analyzer().can_prove_equal(tirx.floormod(expr, factor), 0)
+    return factor if divisible else 1
+
+
 def _block_factor(extent: int | None, lanes: int) -> int:
     if extent is None:
         return 1
@@ -156,6 +180,38 @@ def _fuse_epilogue(sch: Any, writeback: Any, epilogue: list[Any]) -> list[Any]:
     return left
 
 
+def _elements(buffer: Any) -> int:
+    """Elements of a buffer, its symbolic dims (the batch) counted as 1."""
+    from tvm import tirx
+
+    n = 1
+    for dim in buffer.shape:
+        n *= int(dim) if isinstance(dim, tirx.IntImm) else 1
+    return n
+
+
+def _weight_bound(sch: Any, block: Any) -> bool:
+    """Whether the block reads more weight than activation (at batch 1): a matmul or a
+    late-stage conv whose output-channel tiles should be the outer parallel loop, so that
+    each thread streams one strip of the weight once for every row or pixel it computes.
+
+    The activation is the read whose leading dim is the output's (the batch); any other
+    read is a weight. Reads of the accumulator itself are skipped.
+    """
+    stmt = sch.get(block)
+    out = stmt.writes[0].source
+    activation = weight = 0
+    for region in stmt.reads:
+        buf = region.source
+        if buf.same_as(out):
+            continue
+        if buf.shape and out.shape and _same(buf.shape[0], out.shape[0]) and len(buf.shape) > 1:
+            activation = max(activation, _elements(buf))
+        else:
+            weight = max(weight, _elements(buf))
+    return weight > activation
+
+
 def _schedule_reduction(sch: Any, infos: list[Any], index: int, lanes: int) -> None:
     main = infos[index]
     separate = []
@@ -181,6 +237,10 @@ def _schedule_reduction(sch: Any, infos: list[Any], index: int, lanes: int) -> N
     v_extent = _extent(sch, v)
     fv = _vector_factor(v_extent, lanes)
     outer = list(spatial[:-1])
+    if reduce and fv is not None and (not outer or _row_factor(sch, outer[-1], lanes) == 1):
+        # No row to block (a matmul over a symbolic batch, a GEMV): one vector of
+        # accumulators would be one FMA dependency chain; a wider tile gives several.
+        fv = _wide_vector_factor(v_extent, lanes) or fv
     if fv is None:
         v_outer, v_inner = v, None
     elif fv == v_extent:
@@ -191,7 +251,7 @@ def _schedule_reduction(sch: Any, infos: list[Any], index: int, lanes: int) -> N
     if outer and v_inner is not None:
         u = outer[-1]
         u_extent = _extent(sch, u)
-        fu = _block_factor(u_extent, lanes)
+        fu = _row_factor(sch, u, lanes)
         if fu > 1:
             outer.pop()
             if fu == u_extent:
@@ -200,7 +260,10 @@ def _schedule_reduction(sch: Any, infos: list[Any], index: int, lanes: int) -> N
                 u_outer, u_inner = sch.split(u, [None, fu])
                 outer.append(u_outer)
     if v_outer is not None:
-        outer.append(v_outer)
+        if _weight_bound(sch, block):
+            outer.insert(0, v_outer)
+        else:
+            outer.append(v_outer)
     inner = [lp for lp in (u_inner, v_inner) if lp is not None]
     sch.reorder(*outer, *reduce, *inner)
     tile = None
@@ -230,6 +293,73 @@ def _schedule_reduction(sch: Any, infos: list[Any], index: int, lanes: int) -> N
         _schedule_injective(sch, other.block_rv, lanes)
 
 
+def _rows_block(lanes: int) -> int:
+    return (_BLOCKS_WIDE if lanes >= 16 else _BLOCKS)[0]
+
+
+def _symbolic_rows(sch: Any, info: Any) -> Any:
+    """The symbolic extent of a reduction's row axis (a matmul's batch, or batch x sequence),
+    where the innermost (vector) axis and the reductions are static; else None."""
+    kinds = info.dom_kind()
+    loops = sch.get_loops(info.block_rv)
+    spatial = [lp for lp, k in zip(loops, kinds) if k == "S"]
+    if len(spatial) < 2 or _extent(sch, spatial[-2]) is not None:
+        return None
+    if _extent(sch, spatial[-1]) is None or any(
+        _extent(sch, lp) is None for lp, k in zip(loops, kinds) if k == "R"
+    ):
+        return None
+    return sch.get(spatial[-2]).extent
+
+
+def _pad_rows(sch: Any, lanes: int) -> bool:
+    """Pad the symbolic row axis of the one reduction block to a multiple of the register
+    block; returns whether it did.
+
+    Without it the rows cannot be blocked: splitting a symbolic extent leaves a predicate in
+    the block, and TVM then keeps the accumulator as a batch-sized array in memory instead of
+    registers (measured 2x slower than not blocking). ``pad_einsum`` instead computes the
+    padded rows (the input padded with zeros on the fly, the output copied back), so the
+    row loop splits exactly.
+    """
+    from tvm.s_tir import dlight
+
+    infos = dlight.normalize_prim_func(sch)
+    info = next(b for b in infos if not b.is_injective())
+    kinds = info.dom_kind()
+    loops = sch.get_loops(info.block_rv)
+    spatial = [lp for lp, k in zip(loops, kinds) if k == "S"]
+    padding = [_rows_block(lanes) if lp.same_as(spatial[-2]) else 1 for lp in loops]
+    try:
+        sch.pad_einsum(info.block_rv, padding)
+    except Exception:  # not an einsum (a conv's window access): left unpadded
+        return False
+    return True
+
+
+class _Chosen:
+    """Two schedules of one kernel as one function: ``if cond: first else: second``.
+
+    Has the ``mod`` that ``dlight.ApplyDefaultSchedule`` reads from a rule's result; no
+    trace (MetaSchedule tunes static shapes, where no choice is made).
+    """
+
+    def __init__(self, first: Any, second: Any, cond: Any) -> None:
+        import tvm
+        from tvm import s_tir, tirx
+
+        a, b = first.mod["main"], second.mod["main"]
+        # TVM's lowering wants the function body to be one root block: the two roots' bodies
+        # become the branches, their allocations the new root's.
+        ra, rb = a.body.block, b.body.block
+        root = s_tir.SBlock(
+            [], [], [], "root", tirx.IfThenElse(cond, ra.body, rb.body),
+            alloc_buffers=list(ra.alloc_buffers) + list(rb.alloc_buffers),
+        )  # fmt: skip
+        body = s_tir.SBlockRealize([], True, root)
+        self.mod = tvm.IRModule({"main": b.with_body(body)})
+
+
 def schedule_cpu(func: Any, lanes: int) -> Any:
     """A schedule for ``func`` (a TIR PrimFunc), or None where the rule does not apply."""
     from tvm import s_tir
@@ -245,6 +375,18 @@ def schedule_cpu(func: Any, lanes: int) -> Any:
             _schedule_injective(sch, info.block_rv, lanes)
         return sch
     if len(reductions) == 1:
+        rows = _symbolic_rows(sch, infos[reductions[0]])
+        padded = s_tir.Schedule(func) if rows is not None else None
+        if padded is not None and _pad_rows(padded, lanes):
+            # Two schedules of one kernel, chosen at run time by the symbolic row count: rows
+            # padded to the register block (many rows: each weight vector is reused by a
+            # block of rows), or wide vector tiles on unpadded rows (one to three rows, e.g.
+            # batch 1, where padding would multiply a memory-bound GEMV's work by four).
+            infos_p = dlight.normalize_prim_func(padded)
+            index = next(i for i, b in enumerate(infos_p) if not b.is_injective())
+            _schedule_reduction(padded, infos_p, index, lanes)
+            _schedule_reduction(sch, infos, reductions[0], lanes)
+            return _Chosen(padded, sch, rows >= _rows_block(lanes))
         _schedule_reduction(sch, infos, reductions[0], lanes)
         return sch
     return None  # softmax, layer norm: DLight's Reduction rule
@@ -264,7 +406,9 @@ def cpu_rules(target: Any) -> list[Any]:
             if not isinstance(func, tirx.PrimFunc):
                 return None
             try:
-                return schedule_cpu(func, lanes)
+                sch = schedule_cpu(func, lanes)
+                # A list is what ApplyDefaultSchedule accepts besides a Schedule.
+                return [sch] if isinstance(sch, _Chosen) else sch
             except Exception as exc:  # a pattern the rule misjudged: leave it to the next rule
                 log.debug("enginekit CPU schedule does not apply: %s", str(exc).split("\n")[0])
                 return None

@@ -245,7 +245,7 @@ def _commit_default_schedules(tasks: list[Any], target: Any, database: Any, conf
             sch = schedule_cpu(mod["main"], lanes)
         except Exception:  # the rule does not apply: MetaSchedule's candidates only
             continue
-        if sch is None:
+        if sch is None or not hasattr(sch, "trace"):  # no trace: nothing to record
             continue
         built = builder.build([ms.builder.BuilderInput(sch.mod, target)])[0]
         if built.error_msg:

@@ -9,6 +9,7 @@ each sequence within its own length.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -147,24 +148,54 @@ def _initial(value: Any, dirs: int, batch: Any, hidden: int, layout: int, dtype:
     return jnp.swapaxes(v, 0, 1) if layout else v
 
 
-def _prepare(
-    op: str, X: Any, W: Any, R: Any, B: Any, gates: int, hidden_size: int | None, layout: int
-) -> tuple[Any, Any, Any, Any, int, Any]:
-    """(X's dtype, W, R, bias [dirs, 2 * gates * hidden], hidden size, batch size)."""
+@dataclasses.dataclass(frozen=True)
+class _Cell:
+    """What every recurrent op reads from its inputs and attributes before its first step."""
+
+    flags: list[bool]
+    dtype: Any
+    w: Any
+    r: Any
+    bias: Any  # [dirs, 2 * gates * hidden]: Wb then Rb
+    hidden: int
+    batch: Any
+    acts: list[list[Act]]
+    cut: Callable[[Any], Any]
+    h0: Any
+
+
+def _cell(
+    op: str,
+    gates: int,
+    default_acts: list[str],
+    X: Any,
+    W: Any,
+    R: Any,
+    B: Any,
+    initial_h: Any,
+    attrs: dict[str, Any],
+) -> _Cell:
+    """Reads the inputs and attributes RNN, GRU and LSTM share (``attrs``: their keyword values)."""
+    flags = _directions(attrs["direction"])
     w, r = to_jax(W), to_jax(R)
-    hidden = hidden_size or r.shape[-1]
+    hidden = attrs["hidden_size"] or r.shape[-1]
     if r.shape[-1] != hidden:
         raise OpError(f"{op}: R's last dim {r.shape[-1]} is not hidden_size {hidden}")
     x = to_jax(X)
+    layout = attrs["layout"]
     batch = x.shape[0] if layout else x.shape[1]
     bias = jnp.zeros((w.shape[0], 2 * gates * hidden), x.dtype) if B is None else to_jax(B)
-    return x.dtype, w, r, bias, hidden, batch
-
-
-def _clipped(clip: float | None) -> Callable[[Any], Any]:
-    if clip is None:
-        return lambda v: v
-    return lambda v: jnp.clip(v, -clip, clip)
+    acts = _activations(
+        attrs["activations"],
+        default_acts,
+        len(flags),
+        attrs["activation_alpha"],
+        attrs["activation_beta"],
+    )
+    clip = attrs["clip"]
+    cut = (lambda v: v) if clip is None else (lambda v: jnp.clip(v, -clip, clip))
+    h0 = _initial(initial_h, len(flags), batch, hidden, layout, x.dtype)
+    return _Cell(flags, x.dtype, w, r, bias, hidden, batch, acts, cut, h0)
 
 
 def RNN(
@@ -183,17 +214,14 @@ def RNN(
     layout: int = 0,
 ) -> tuple[Any, Any]:
     """Returns (Y, Y_h)."""
-    flags = _directions(direction)
-    dtype, w, r, bias, hidden, batch = _prepare("RNN", X, W, R, B, 1, hidden_size, layout)
-    acts = _activations(activations, ["Tanh"], len(flags), activation_alpha, activation_beta)
-    cut = _clipped(clip)
-    h0 = _initial(initial_h, len(flags), batch, hidden, layout, dtype)
+    c = _cell("RNN", 1, ["Tanh"], X, W, R, B, initial_h, locals())
+    w, r, bias, n = c.w, c.r, c.bias, c.hidden
 
     def step(d: int, x_t: Any, s: list[Any]) -> list[Any]:
-        pre = x_t @ w[d].T + s[0] @ r[d].T + bias[d, :hidden] + bias[d, hidden:]
-        return [acts[d][0](cut(pre))]
+        pre = x_t @ w[d].T + s[0] @ r[d].T + bias[d, :n] + bias[d, n:]
+        return [c.acts[d][0](c.cut(pre))]
 
-    y, (h,) = _run(X, [h0], sequence_lens, layout, flags, step)
+    y, (h,) = _run(X, [c.h0], sequence_lens, layout, c.flags, step)
     return y, h
 
 
@@ -214,14 +242,8 @@ def GRU(
     linear_before_reset: int = 0,
 ) -> tuple[Any, Any]:
     """Returns (Y, Y_h); gates in the spec's z, r, h order."""
-    flags = _directions(direction)
-    dtype, w, r, bias, hidden, batch = _prepare("GRU", X, W, R, B, 3, hidden_size, layout)
-    acts = _activations(
-        activations, ["Sigmoid", "Tanh"], len(flags), activation_alpha, activation_beta
-    )
-    cut = _clipped(clip)
-    h0 = _initial(initial_h, len(flags), batch, hidden, layout, dtype)
-    n = hidden
+    c = _cell("GRU", 3, ["Sigmoid", "Tanh"], X, W, R, B, initial_h, locals())
+    w, r, bias, n, acts, cut = c.w, c.r, c.bias, c.hidden, c.acts, c.cut
 
     def step(d: int, x_t: Any, s: list[Any]) -> list[Any]:
         h = s[0]
@@ -238,7 +260,7 @@ def GRU(
         cand = g(cut(cand))
         return [(1 - z) * cand + z * h]
 
-    y, (h,) = _run(X, [h0], sequence_lens, layout, flags, step)
+    y, (h,) = _run(X, [c.h0], sequence_lens, layout, c.flags, step)
     return y, h
 
 
@@ -261,16 +283,11 @@ def LSTM(
     layout: int = 0,
 ) -> tuple[Any, Any, Any]:
     """Returns (Y, Y_h, Y_c); gates in the spec's i, o, f, c order, peepholes i, o, f."""
-    flags = _directions(direction)
-    dtype, w, r, bias, hidden, batch = _prepare("LSTM", X, W, R, B, 4, hidden_size, layout)
-    acts = _activations(
-        activations, ["Sigmoid", "Tanh", "Tanh"], len(flags), activation_alpha, activation_beta
-    )
-    cut = _clipped(clip)
-    h0 = _initial(initial_h, len(flags), batch, hidden, layout, dtype)
-    c0 = _initial(initial_c, len(flags), batch, hidden, layout, dtype)
-    peep = jnp.zeros((len(flags), 3 * hidden), dtype) if P is None else to_jax(P)
-    n = hidden
+    cell = _cell("LSTM", 4, ["Sigmoid", "Tanh", "Tanh"], X, W, R, B, initial_h, locals())
+    w, r, bias, n, acts, cut = cell.w, cell.r, cell.bias, cell.hidden, cell.acts, cell.cut
+    dirs = len(cell.flags)
+    c0 = _initial(initial_c, dirs, cell.batch, n, layout, cell.dtype)
+    peep = jnp.zeros((dirs, 3 * n), cell.dtype) if P is None else to_jax(P)
 
     def step(d: int, x_t: Any, s: list[Any]) -> list[Any]:
         h, c = s
@@ -286,5 +303,5 @@ def LSTM(
         o = f_act(cut(gates[:, n : 2 * n] + p_o * c_new))
         return [o * h_act(c_new), c_new]
 
-    y, (h, c) = _run(X, [h0, c0], sequence_lens, layout, flags, step)
+    y, (h, c) = _run(X, [cell.h0, c0], sequence_lens, layout, cell.flags, step)
     return y, h, c

@@ -1,0 +1,348 @@
+"""Parquet sources: files or folders of them, columns to engine inputs by name.
+
+Tensor columns (fixed-size lists, nested or not, and Arrow's fixed-shape tensor extension type)
+of the plain numeric types are read by :mod:`enginekit.dataset.pages`, straight from the data
+pages into the batch's array (one copy, no per-value list rebuilding); every other column, and
+any row group that reader refuses (nulls, an encoding it does not handle), is read by pyarrow.
+Both give the same rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from enginekit.dataset import pages
+from enginekit.dataset.columns import check_rows, closest, is_id_type, to_numpy
+from enginekit.dataset.sources import (
+    Piece,
+    Source,
+    _mapping,
+    _row_ids,
+    file_fingerprint,
+    list_files,
+    read_rows,
+)
+from enginekit.engine import TensorSpec
+from enginekit.errors import DatasetError
+
+
+class ParquetSource(Source):
+    """Parquet files (a file, or every ``*.parquet`` under a folder, sorted by path).
+
+    ``fast=False`` reads every column with pyarrow (the page reader off: for comparisons)."""
+
+    def __init__(
+        self,
+        path: Path,
+        inputs: Sequence[TensorSpec],
+        columns: Mapping[str, str] | None,
+        keep: Sequence[str] | None,
+        cast: bool,
+        fast: bool = True,
+    ) -> None:
+        import pyarrow.parquet as pq
+
+        self.root = path
+        self.files = tuple(list_files(path, (".parquet", ".parq", ".pq"), "Parquet"))
+        self.inputs = tuple(inputs)
+        self.cast = cast
+        self.fast = fast
+        self._meta = []
+        schema = None
+        for f in self.files:
+            try:
+                meta = pq.ParquetFile(f).metadata
+            except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
+                raise DatasetError(
+                    f"Parquet file {f}: cannot read it ({exc}); replace it or remove it from the "
+                    "source folder"
+                ) from None
+            self._meta.append([meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+            if schema is None:
+                schema = meta.schema.to_arrow_schema()
+        assert schema is not None
+        self.schema = schema
+        self.mapping = _mapping(inputs, columns, schema.names, f"Parquet source {path}")
+        used = set(self.mapping.values())
+        if keep is None:
+            self.keep = [f.name for f in schema if f.name not in used and is_id_type(f.type)]
+        else:
+            self.keep = list(keep)
+            for k in self.keep:
+                if k not in schema.names:
+                    raise DatasetError(
+                        f"Parquet source {path} has no column {k!r} to keep{closest(k, schema.names)}"
+                    )
+        self.rows = sum(sum(m) for m in self._meta)
+        self.fingerprint = file_fingerprint(self.files, path, {"columns": self.mapping})
+        self.description = f"parquet:{path}"
+        #: Row groups read by the page reader and by pyarrow (the page reader's refusals).
+        self.groups_fast = self.groups_arrow = 0
+
+    def pieces(self, start: int, size: int) -> Iterator[Piece]:
+        import pyarrow.parquet as pq
+
+        step = read_rows(size, self.inputs)
+        row = 0
+        for f, groups in zip(self.files, self._meta):
+            total = sum(groups)
+            if row + total <= start:
+                row += total
+                continue
+            try:
+                # Memory-mapped (no copy out of the page cache), decoded on this thread: the
+                # columns pyarrow's threads would decode in parallel are mostly one tensor
+                # column, and the reader runs beside the engine, whose threads want the cores.
+                pf = pq.ParquetFile(f, memory_map=True)
+                found = _tensor_leaves(pf, list(self.mapping.values())) if self.fast else {}
+                leaves = {i: found[c] for i, c in self.mapping.items() if c in found}
+                data = _map(f) if leaves else None
+                for g, n in enumerate(groups):
+                    if row + n <= start:
+                        row += n
+                        continue
+                    skip = max(start - row, 0)
+                    got = skip
+                    if data is not None:
+                        try:
+                            for piece in self._fast_group(
+                                pf, data, leaves, g, n, skip, step, f, row
+                            ):
+                                yield piece
+                                got += piece.rows
+                            self.groups_fast += 1
+                        except pages.Unsupported:
+                            pass  # the rest of the group (from ``got``) through pyarrow
+                    if got < n:
+                        self.groups_arrow += 1
+                        yield from self._arrow_group(pf, g, got, step, f, row)
+                    row += n
+            except DatasetError:
+                raise
+            except Exception as exc:
+                raise DatasetError(
+                    f"Parquet file {f}: cannot read it ({exc}); replace it or remove it"
+                ) from None
+
+    def _needed(self) -> list[str]:
+        return list(dict.fromkeys([*self.mapping.values(), *self.keep]))
+
+    def _arrow_group(self, pf: Any, g: int, skip: int, step: int, f: Path, row: int) -> Iterator[Piece]:  # fmt: skip
+        """Rows ``skip:`` of row group ``g`` read by pyarrow."""
+        at = 0
+        batches = pf.iter_batches(
+            batch_size=step, row_groups=[g], columns=self._needed(), use_threads=False
+        )
+        for rb in batches:
+            if at + rb.num_rows <= skip:
+                at += rb.num_rows
+                continue
+            if at < skip:
+                rb = rb.slice(skip - at)
+                at = skip
+            yield self._piece(rb, f, row + at)
+            at += rb.num_rows
+
+    def _piece(self, rb: Any, f: Path, row: int) -> Piece:
+        feeds = {}
+        for spec in self.inputs:
+            col = self.mapping[spec.name]
+            what = f"column {col!r} of {f} (rows from {row})"
+            feeds[spec.name] = check_rows(spec, to_numpy(rb.column(col), what), what, self.cast)
+        ids = {k: rb.column(k) for k in self.keep} if self.keep else _row_ids(row, rb.num_rows)
+        return Piece(ids, feeds, rb.num_rows)
+
+    def _fast_group(
+        self, pf: Any, data: memoryview, leaves: dict[str, _Leaf], g: int, n: int, skip: int,
+        step: int, f: Path, row0: int,
+    ) -> Iterator[Piece]:  # fmt: skip
+        """Rows ``skip:`` of row group ``g``: tensor inputs by the page reader, ids by pyarrow.
+
+        Raises:
+            pages.Unsupported: before yielding the piece it could not read.
+        """
+        meta = pf.metadata.row_group(g)
+        readers = {}
+        for name, leaf in leaves.items():
+            chunk = meta.column(leaf.index)
+            if chunk.num_values != n * leaf.size:
+                raise pages.Unsupported("value count")  # nulls (or a writer we do not know)
+            readers[name] = _Values(pages.Column(data, chunk, leaf.max_def, leaf.max_rep))
+        others = [k for k in self._needed() if k not in {self.mapping[i] for i in leaves}]
+        table = pf.read_row_group(g, columns=others, use_threads=False) if others else None
+        cols = {k: _array(table.column(k)) for k in others} if table is not None else {}
+        for name in readers:
+            readers[name].take(skip * leaves[name].size)  # rows before the start: decoded, dropped
+        for lo in range(skip, n, step):
+            rows = min(step, n - lo)
+            feeds = {}
+            for spec in self.inputs:
+                col = self.mapping[spec.name]
+                what = f"column {col!r} of {f} (rows from {row0 + lo})"
+                if spec.name in readers:
+                    leaf = leaves[spec.name]
+                    a = readers[spec.name].take(rows * leaf.size).reshape(rows, *leaf.shape)
+                else:
+                    a = to_numpy(cols[col].slice(lo, rows), what)
+                feeds[spec.name] = check_rows(spec, a, what, self.cast)
+            if self.keep:
+                ids = {k: cols[k].slice(lo, rows) for k in self.keep}
+            else:
+                ids = _row_ids(row0 + lo, rows)
+            yield Piece(ids, feeds, rows)
+
+
+class _Leaf:
+    """Where a tensor column's values are in the file, and each row's shape."""
+
+    def __init__(self, index: int, max_def: int, max_rep: int, shape: tuple[int, ...]) -> None:
+        self.index, self.max_def, self.max_rep, self.shape = index, max_def, max_rep, shape
+        self.size = int(np.prod(shape, dtype=np.int64))
+
+
+class _Values:
+    """A column chunk's values taken in runs of any length, each run one new array."""
+
+    def __init__(self, column: pages.Column) -> None:
+        self.pages = column.pages()
+        self.dtype = column.dtype
+        self.left: np.ndarray = np.empty(0, column.dtype)
+
+    def take(self, count: int) -> np.ndarray:
+        out = np.empty(count, self.dtype)
+        at = 0
+        while at < count:
+            if not len(self.left):
+                nxt = next(self.pages, None)
+                if nxt is None:
+                    raise pages.Unsupported("fewer values than rows")
+                self.left = nxt
+            k = min(count - at, len(self.left))
+            out[at : at + k] = self.left[:k]
+            self.left = self.left[k:]
+            at += k
+        return out
+
+
+def _array(col: Any) -> Any:
+    return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+
+
+def _map(f: Path) -> memoryview:
+    import pyarrow as pa
+
+    # pyarrow's map: its buffer keeps the mapping alive for as long as any view of it (the
+    # arrays handed on are copies, so none outlives the read).
+    return memoryview(pa.memory_map(str(f), "r").read_buffer())
+
+
+def _leaf_count(t: Any) -> int:
+    import pyarrow as pa
+
+    if isinstance(t, pa.ExtensionType):
+        return _leaf_count(t.storage_type)
+    if pa.types.is_struct(t):
+        return sum(_leaf_count(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_map(t):
+        return _leaf_count(t.key_type) + _leaf_count(t.item_type)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _leaf_count(t.value_type)
+    return 1
+
+
+def _fixed_shape(t: Any) -> tuple[tuple[int, ...], Any, int] | None:
+    """A fixed-size list (nested) or fixed-shape tensor type: its row shape, value type and
+    list depth (the Parquet leaf's maximum repetition level)."""
+    import pyarrow as pa
+
+    if isinstance(t, pa.FixedShapeTensorType):
+        if list(t.permutation or range(len(t.shape))) != list(range(len(t.shape))):
+            return None  # stored in another axis order: pyarrow's conversion handles it
+        return tuple(t.shape), t.value_type, 1
+    dims = []
+    while pa.types.is_fixed_size_list(t):
+        dims.append(t.list_size)
+        t = t.value_type
+    return (tuple(dims), t, len(dims)) if dims else None
+
+
+def _tensor_leaves(pf: Any, columns: Sequence[str]) -> dict[str, _Leaf]:
+    """The columns the page reader can read, with where their values are in the file."""
+    import pyarrow as pa
+
+    schema = pf.schema_arrow
+    pschema = pf.metadata.schema
+    starts, at = {}, 0
+    for field in schema:
+        starts[field.name] = at
+        at += _leaf_count(field.type)
+    if at != len(pschema):
+        return {}  # the Arrow schema does not map onto the Parquet leaves as expected
+    out = {}
+    for col in dict.fromkeys(columns):
+        fixed = _fixed_shape(schema.field(col).type)
+        if fixed is None:
+            continue
+        shape, value_type, depth = fixed
+        leaf = pschema.column(starts[col])
+        dtype = pages.PHYSICAL.get(leaf.physical_type)
+        if not pa.types.is_primitive(value_type) or dtype is None:
+            continue
+        if np.dtype(value_type.to_pandas_dtype()) != np.dtype(dtype):
+            continue  # e.g. int8 values stored as INT32: pyarrow converts them
+        if leaf.max_repetition_level != depth or not leaf.path.startswith(col):
+            continue
+        out[col] = _Leaf(starts[col], leaf.max_definition_level, leaf.max_repetition_level, shape)
+    return out
+
+
+def read_group(
+    path: str | Path, group: int, columns: Sequence[str] | None = None, skip: int = 0
+) -> Any:
+    """Rows ``skip:`` of one row group as a pyarrow Table, tensor columns by the page reader
+    (rebuilt as their own Arrow type around the values, without a copy); for Ray's read tasks.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path, memory_map=True)
+    n = pf.metadata.row_group(group).num_rows
+    columns = list(pf.schema_arrow.names if columns is None else columns)
+    leaves = _tensor_leaves(pf, columns)
+    fast: dict[str, Any] = {}
+    if leaves:
+        data = _map(Path(path))
+        meta = pf.metadata.row_group(group)
+        for col, leaf in leaves.items():
+            chunk = meta.column(leaf.index)
+            if chunk.num_values != n * leaf.size:
+                continue
+            try:
+                values = _Values(pages.Column(data, chunk, leaf.max_def, leaf.max_rep))
+                values.take(skip * leaf.size)
+                flat = values.take((n - skip) * leaf.size)
+            except pages.Unsupported:
+                continue
+            fast[col] = _as_type(flat, pf.schema_arrow.field(col).type, leaf.size)
+    rest = [c for c in columns if c not in fast]
+    if rest:
+        table = pf.read_row_group(group, columns=rest, use_threads=False).slice(skip)
+        fast.update({c: table.column(c) for c in rest})
+    return pa.table({c: fast[c] for c in columns})
+
+
+def _as_type(flat: np.ndarray, t: Any, size: int) -> Any:
+    """Flat values as a column of Arrow type ``t`` (fixed-size lists or fixed-shape tensor),
+    field names and all, around the same buffer."""
+    import pyarrow as pa
+
+    if isinstance(t, pa.FixedShapeTensorType):
+        return pa.ExtensionArray.from_storage(t, _as_type(flat, t.storage_type, size))
+    if not pa.types.is_fixed_size_list(t):
+        return pa.array(flat, type=t)
+    inner = _as_type(flat, t.value_type, size // t.list_size)
+    return pa.FixedSizeListArray.from_arrays(inner, type=t)

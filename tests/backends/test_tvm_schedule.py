@@ -1,0 +1,81 @@
+"""enginekit's default TVM CPU schedules (enginekit/backends/tvm/schedule.py): matmuls over a
+symbolic batch, weight-bound kernels, numerics at batch sizes that are not block multiples."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import reference
+
+import enginekit as ek
+
+pytest.importorskip("tvm", reason="the tvm backend needs apache-tvm (pip install 'enginekit[tvm]')")
+
+
+def _fused(path):
+    from enginekit.backends.tvm import frontend, lower, schedule
+
+    target = lower.resolve_target(None, "cpu")
+    _, fused, _ = lower.optimize(frontend.import_onnx(ek.load_model(path)), target, "NHWC")
+    return fused, schedule.vector_lanes(target)
+
+
+def test_matmul_over_a_symbolic_batch_gets_a_padded_row_block_and_an_unpadded_branch(mlp_path):
+    # Called directly: ApplyDefaultSchedule would swallow an error and fall back to naive loops.
+    from enginekit.backends.tvm import schedule
+
+    fused, lanes = _fused(mlp_path)
+    scripts = {
+        gv.name_hint: schedule.schedule_cpu(func, lanes).mod.script()
+        for gv, func in fused.functions_items()
+        if "matmul" in gv.name_hint
+    }
+    assert len(scripts) == 2
+    for name, script in scripts.items():
+        # Rows padded to the register block (no predicate inside the K loop), chosen at run
+        # time against the plain schedule for a batch below the block.
+        assert "_pad_local" in script, name
+        assert "batch >= T.int64(4)" in script or "T.int64(4) <= batch" in script, name
+        assert "parallel" in script and "vectorized" in script, name
+
+
+@pytest.mark.slow
+def test_padded_rows_give_the_reference_result_at_every_batch_size(mlp_path):
+    engine = ek.build(mlp_path, backend="tvm", shapes={"x": [(1, 16), (8, 16), (16, 16)]})
+    rng = np.random.default_rng(0)
+    with engine:
+        for batch in (1, 3, 4, 5, 16):  # below, at, between and at a multiple of the block
+            x = rng.standard_normal((batch, 16)).astype(np.float32)
+            got = engine.infer({"x": x})
+            want = reference(mlp_path, {"x": x})
+            for name, value in want.items():
+                np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_weight_bound_kernel_puts_the_output_channel_tiles_outermost():
+    from tvm import s_tir
+    from tvm.s_tir import dlight
+    from tvm.script import tirx as T
+
+    from enginekit.backends.tvm import schedule
+
+    @T.prim_func(private=True, s_tir=True)
+    def gemv(
+        a: T.Buffer((T.int64(1), T.int64(256)), "float32"),
+        w: T.Buffer((T.int64(256), T.int64(512)), "float32"),
+        c: T.Buffer((T.int64(1), T.int64(512)), "float32"),
+    ):
+        for i, j, k in T.grid(T.int64(1), T.int64(512), T.int64(256)):
+            with T.sblock("matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    c[vi, vj] = T.float32(0)
+                c[vi, vj] = c[vi, vj] + a[vi, vk] * w[vk, vj]
+
+    sch = s_tir.Schedule(gemv)
+    info = dlight.normalize_prim_func(sch)[0]
+    assert schedule._weight_bound(sch, info.block_rv)
+    script = schedule.schedule_cpu(gemv, 8).mod.script()
+    # One row: no block to reuse a weight vector across rows, so the tile is several vectors
+    # wide (independent FMA chains) instead of one.
+    assert "T.vectorized(T.int64(32))" in script

@@ -1,0 +1,166 @@
+"""The Parquet page reader: the same rows as pyarrow's reader for every layout it takes, and
+pyarrow's rows (or pyarrow's errors) for what it refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyarrow", reason="the dataset jobs read and write Arrow/Parquet")
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from enginekit.dataset import pages
+from enginekit.dataset.columns import from_numpy
+from enginekit.dataset.parquet import ParquetSource
+from enginekit.engine import TensorSpec
+from enginekit.errors import DatasetError
+
+SPEC = [TensorSpec("x", "float32", ("batch", 2, 3, 4))]
+
+
+def _rows(n: int, dtype: str = "float32") -> np.ndarray:
+    return (np.random.default_rng(0).standard_normal((n, 2, 3, 4)) * 100).astype(dtype)
+
+
+def _read(path, start=0, size=5, fast=True, spec=SPEC, keep=None):
+    src = ParquetSource(path, spec, None, keep, False, fast=fast)
+    got = list(src.pieces(start, size))
+    x = np.concatenate([p.inputs["x"] for p in got])
+    ids = {k: pa.concat_arrays([pa.array(p.ids[k]) for p in got]).to_pylist() for k in got[0].ids}
+    return x, ids, src
+
+
+def _same_as_pyarrow(path, start=0, spec=SPEC, groups_fast=None):
+    x, ids, src = _read(path, start, spec=spec)
+    ref_x, ref_ids, _ = _read(path, start, fast=False, spec=spec)
+    np.testing.assert_array_equal(x, ref_x)
+    assert ids == ref_ids
+    if groups_fast is not None:
+        assert (src.groups_fast, src.groups_arrow) == groups_fast
+    return x
+
+
+@pytest.mark.parametrize(
+    "layout, options",
+    [
+        ("list", {}),  # nested fixed-size lists, dictionary pages then PLAIN (pyarrow's default)
+        ("tensor", {"compression": "zstd"}),
+        ("flat", {"compression": "none", "use_dictionary": False}),
+        ("list", {"data_page_version": "2.0", "data_page_size": 256, "write_batch_size": 64}),
+        (
+            "tensor",
+            {"dictionary_pagesize_limit": 64, "data_page_size": 128, "write_batch_size": 32},
+        ),
+    ],
+)
+def test_page_reader_matches_pyarrow(tmp_path, layout, options):
+    x = _rows(37)
+    col = (
+        pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 24)
+        if layout == "flat"
+        else from_numpy(x, layout)
+    )
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"id": np.arange(37), "x": col}), path, row_group_size=10, **options)
+    spec = [TensorSpec("x", "float32", ("batch", 24))] if layout == "flat" else SPEC
+    got = _same_as_pyarrow(path, spec=spec, groups_fast=(4, 0))
+    np.testing.assert_array_equal(got.reshape(x.shape), x)
+    # From a row inside the second row group: the rows before it are dropped.
+    got = _same_as_pyarrow(path, start=13, spec=spec, groups_fast=(3, 0))
+    np.testing.assert_array_equal(got.reshape(-1, *x.shape[1:]), x[13:])
+
+
+def test_integer_tensors_and_values_pyarrow_must_convert(tmp_path):
+    path = tmp_path / "d.parquet"
+    pq.write_table(
+        pa.table({"x": from_numpy(_rows(9, "int64"), "list"), "y": from_numpy(_rows(9, "int8"), "list")}),
+        path, row_group_size=4,
+    )  # fmt: skip
+    spec = [TensorSpec("x", "int64", ("batch", 2, 3, 4))]
+    _same_as_pyarrow(path, spec=spec, groups_fast=(3, 0))
+    # int8 values are stored as INT32: pyarrow converts them back.
+    spec8 = [TensorSpec("x", "int8", ("batch", 2, 3, 4))]
+    src = ParquetSource(path, spec8, {"x": "y"}, None, False)
+    np.testing.assert_array_equal(
+        np.concatenate([p.inputs["x"] for p in src.pieces(0, 4)]), _rows(9, "int8")
+    )
+    assert (src.groups_fast, src.groups_arrow) == (0, 3)
+
+
+def test_nulls_fall_back_to_pyarrow_and_its_error(tmp_path):
+    x = _rows(6)
+    values = pa.array(x.reshape(-1), mask=np.arange(x.size) == 30)  # one null value in row 1
+    col = pa.FixedSizeListArray.from_arrays(values, 24)
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"x": col}), path)
+    spec = [TensorSpec("x", "float32", ("batch", 24))]
+    with pytest.raises(DatasetError, match="null"):
+        _read(path, spec=spec)
+
+
+def test_a_page_refused_mid_group_continues_with_pyarrow(tmp_path, monkeypatch):
+    x = _rows(40)
+    path = tmp_path / "d.parquet"
+    pq.write_table(
+        pa.table({"k": [f"r{i}" for i in range(40)], "x": from_numpy(x, "list")}), path,
+        data_page_size=200, write_batch_size=48, use_dictionary=False,
+    )  # fmt: skip
+    real = pages.Column._values
+    calls = []
+
+    def refuse_third(self, raw, encoding, n):
+        calls.append(n)
+        if len(calls) == 3:
+            raise pages.Unsupported("test")
+        return real(self, raw, encoding, n)
+
+    monkeypatch.setattr(pages.Column, "_values", refuse_third)
+    got, ids, src = _read(path, size=4)
+    np.testing.assert_array_equal(got, x)
+    assert ids["k"] == [f"r{i}" for i in range(40)]
+    assert (src.groups_fast, src.groups_arrow) == (0, 1)
+
+
+@pytest.mark.parametrize("width", [1, 3, 8, 13, 18, 25, 26, 32])
+def test_bit_unpacking_and_the_hybrid_encoding(width):
+    rng = np.random.default_rng(width)
+    v = rng.integers(0, 1 << width, 21, dtype=np.int64)
+    bits = ((v[:, None] >> np.arange(width)) & 1).astype(np.uint8).reshape(-1)
+    bits = np.concatenate([bits, np.zeros(3 * 8 * width - bits.size, np.uint8)])
+    packed = np.packbits(bits, bitorder="little").tobytes()
+    np.testing.assert_array_equal(pages._unpack(packed, width, 21), v)
+    # RLE run of 5 x 1, then a bit-packed run of 3 groups (the 21 values, padded to 24).
+    nbytes = (width + 7) // 8
+    buf = bytes([5 << 1]) + (1).to_bytes(nbytes, "little") + bytes([3 << 1 | 1]) + packed
+    got = pages.hybrid(memoryview(buf), 0, len(buf), width, 26)
+    np.testing.assert_array_equal(got, np.concatenate([np.ones(5, np.int64), v]))
+    assert pages.all_equal(memoryview(buf), 0, 1 + nbytes, width, 5, 1)
+    assert not pages.all_equal(memoryview(buf), 0, len(buf), width, 26, 1)
+
+
+@pytest.mark.parametrize("layout", ["list", "tensor"])
+def test_read_group_gives_pyarrow_s_table(tmp_path, layout):
+    from enginekit.dataset.parquet import read_group
+
+    path = tmp_path / "d.parquet"
+    table = pa.table({"k": [f"r{i}" for i in range(12)], "x": from_numpy(_rows(12), layout)})
+    pq.write_table(table, path, row_group_size=5)
+    got = read_group(path, 1, ["x", "k"], skip=2)
+    assert got.equals(pq.ParquetFile(path).read_row_group(1, columns=["x", "k"]).slice(2))
+    assert read_group(path, 2).equals(pq.ParquetFile(path).read_row_group(2))
+
+
+def test_required_lists_and_values_read_by_pages(tmp_path):
+    # No nullable level at all: the definition levels count only the lists (max_def = max_rep).
+    x = _rows(9)
+    t = pa.list_(pa.field("v", pa.float32(), nullable=False), 24)
+    col = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), type=t)
+    path = tmp_path / "d.parquet"
+    schema = pa.schema([pa.field("x", t, nullable=False)])
+    pq.write_table(pa.table({"x": col}, schema=schema), path, row_group_size=4)
+    leaf = pq.ParquetFile(path).metadata.schema.column(0)
+    assert leaf.max_definition_level == leaf.max_repetition_level == 1
+    spec = [TensorSpec("x", "float32", ("batch", 24))]
+    got = _same_as_pyarrow(path, spec=spec, groups_fast=(3, 0))
+    np.testing.assert_array_equal(got, x.reshape(9, 24))
