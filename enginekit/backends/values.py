@@ -45,6 +45,48 @@ CACHE_SIZE = 16
 
 #: op -> indices of the inputs a backend must know to compile the op.
 Slots = Mapping[str, tuple[int, ...]]
+
+#: The ONNX operands that decide an op's output shape, or its axes: what XLA (static shapes)
+#: and TVM's importer (builds shapes and attributes from constants) both must know to compile.
+SHAPE_INPUTS: dict[str, tuple[int, ...]] = {
+    "Reshape": (1,),
+    "Expand": (1,),
+    "Tile": (1,),
+    "Slice": (1, 2, 3, 4),
+    "Pad": (1, 3),
+    "Squeeze": (1,),
+    "Unsqueeze": (1,),
+    "Split": (1,),
+    "ConstantOfShape": (0,),
+    "Range": (0, 1, 2),
+    "TopK": (1,),
+    "Trilu": (1,),
+    "CumSum": (1,),
+    "Dropout": (1, 2),
+    "Resize": (1, 2, 3),
+    "CumProd": (1,),
+    "OneHot": (1,),
+    "Upsample": (1,),
+    "If": (0,),
+    "Loop": (0, 1),
+    "AffineGrid": (1,),
+    "CenterCropPad": (1,),
+    "Col2Im": (1, 2),
+    "MaxUnpool": (2,),
+    "Compress": (1,),
+    "DFT": (1, 2),
+    "STFT": (1, 3),
+    "BlackmanWindow": (0,),
+    "HammingWindow": (0,),
+    "HannWindow": (0,),
+    "MelWeightMatrix": (0, 1, 2, 3, 4),
+    **{
+        f"Reduce{kind}": (1,)
+        for kind in (
+            "L1", "L2", "LogSum", "LogSumExp", "Max", "Mean", "Min", "Prod", "Sum", "SumSquare"
+        )
+    },
+}  # fmt: skip
 Key = tuple[tuple[str, str, tuple[int, ...], bytes], ...]
 T = TypeVar("T")
 

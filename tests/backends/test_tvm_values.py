@@ -78,6 +78,13 @@ def test_find_uses_tvm_table_and_the_importers_constant_inputs(tmp_path):
     }
 
 
+def test_every_input_the_importer_reads_as_a_constant_is_a_value_input():
+    from enginekit.backends.tvm.frontend import _CONSTANT_INPUTS
+
+    for op, held in _CONSTANT_INPUTS.items():
+        assert set(held) <= set(shared.SHAPE_INPUTS.get(op, ())), op
+
+
 def test_reshape_by_an_input_compiles_a_program_per_set_of_values(reshape_artifact):
     path, out = reshape_artifact
     artifact = open_artifact(out)

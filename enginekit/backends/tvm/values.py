@@ -3,7 +3,8 @@
 TVM's Relax importer builds shapes, axes, pads and sizes from constants: a Reshape whose shape,
 a Range whose limits or a TopK whose k comes from a graph input fails to import (or imports with
 shapes it cannot compile). Such inputs (:func:`find`: the backend-neutral detection of
-:mod:`enginekit.backends.values` with TVM's table :data:`SHAPE_INPUTS`) are bound as ONNX
+:mod:`enginekit.backends.values` with its table of shape operands, which holds every input
+TVM's importer reads as a constant) are bound as ONNX
 initializers before the import, so the usual pipeline compiles a static-shape program for the
 build's example values (the first verification point's, so verification runs it). The artifact
 keeps ``model.onnx`` too; at inference the engine reads those inputs on the host and compiles a
@@ -29,53 +30,6 @@ log = logging.getLogger(__name__)
 #: The ONNX model kept in the payload of an engine with value inputs.
 MODEL = "model.onnx"
 
-#: op -> inputs whose values decide the op's output shape (or that the importer reads as
-#: attributes); fed from a graph input, they are value inputs. TVM's importer reads more as
-#: constants (reduction axes, pads, split sizes: :func:`slots` adds frontend's table).
-SHAPE_INPUTS: dict[str, tuple[int, ...]] = {
-    "Reshape": (1,),
-    "Expand": (1,),
-    "Tile": (1,),
-    "Slice": (1, 2, 3, 4),
-    "Pad": (1, 3),
-    "Squeeze": (1,),
-    "Unsqueeze": (1,),
-    "Split": (1,),
-    "ConstantOfShape": (0,),
-    "Range": (0, 1, 2),
-    "TopK": (1,),
-    "Trilu": (1,),
-    "CumSum": (1,),
-    "Dropout": (1, 2),
-    "Resize": (1, 2, 3),
-    "Upsample": (1,),
-    "OneHot": (1,),
-    "If": (0,),
-    "Loop": (0, 1),
-    "AffineGrid": (1,),
-    "CenterCropPad": (1,),
-    "Col2Im": (1, 2),
-    "MaxUnpool": (2,),
-    "Compress": (1,),
-    "DFT": (1, 2),
-    "STFT": (1, 3),
-    "BlackmanWindow": (0,),
-    "HammingWindow": (0,),
-    "HannWindow": (0,),
-    "MelWeightMatrix": (0, 1, 2, 3, 4),
-}
-
-
-def slots() -> dict[str, tuple[int, ...]]:
-    """:data:`SHAPE_INPUTS` and the inputs the importer reads as constants
-    (``frontend._CONSTANT_INPUTS``: reduction axes, pads, ...)."""
-    from enginekit.backends.tvm.frontend import _CONSTANT_INPUTS
-
-    out = dict(SHAPE_INPUTS)
-    for op, held in _CONSTANT_INPUTS.items():
-        out[op] = tuple(sorted(set(out.get(op, ())) | set(held)))
-    return out
-
 
 def find(proto: onnx.ModelProto) -> dict[str, str]:
     """Graph inputs whose values TVM must know to import and compile the model.
@@ -83,7 +37,7 @@ def find(proto: onnx.ModelProto) -> dict[str, str]:
     Returns:
         input name -> where it first arrives (``"r (Reshape) input 1"``), in graph input order.
     """
-    return shared.find(proto, slots())
+    return shared.find(proto, shared.SHAPE_INPUTS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from enginekit.backends.values import SHAPE_INPUTS
 from enginekit.backends.xla.ops import (
     attention,
     control,
@@ -238,32 +239,6 @@ def supported_ops() -> list[str]:
 
 
 #: Inputs that must be known when the model is built (constants, initializers, or computed from
-#: shapes only): XLA compiles static shapes, and these decide shapes or axes.
-STATIC_INPUTS: dict[str, tuple[int, ...]] = {
-    "Reshape": (1,),
-    "Expand": (1,),
-    "Tile": (1,),
-    "Slice": (1, 2, 3, 4),
-    "Pad": (1, 3),
-    "Squeeze": (1,),
-    "Unsqueeze": (1,),
-    "Split": (1,),
-    "ConstantOfShape": (0,),
-    "Range": (0, 1, 2),
-    "TopK": (1,),
-    "Trilu": (1,),
-    "CumSum": (1,),
-    "Dropout": (1, 2),
-    "Resize": (1, 2, 3),
-    "CumProd": (1,),
-    "OneHot": (1,),
-    "Upsample": (1,),
-    "If": (0,),
-    "Loop": (0, 1),
-    "AffineGrid": (1,),
-    "CenterCropPad": (1,),
-    "Col2Im": (1, 2),
-    "MaxUnpool": (2,),
-    "Compress": (1,),
-    **{op: (1,) for op in OPS if op.startswith("Reduce")},
-}
+#: shapes only): XLA compiles static shapes, and these decide shapes or axes (the table is
+#: shared with the TVM backend's value inputs).
+STATIC_INPUTS: dict[str, tuple[int, ...]] = SHAPE_INPUTS
