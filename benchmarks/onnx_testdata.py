@@ -115,9 +115,13 @@ def node_cases() -> list[Case]:
         in_names = [i.name for i in c.model.graph.input if i.name not in init]
         sets = []
         for ins, outs in c.data_sets or []:
-            arrays = [*ins, *outs]
-            if all(isinstance(a, np.ndarray) for a in arrays):
-                sets.append((dict(zip(in_names, ins)), list(outs)))
+            # A 0-d value comes as a numpy scalar (Range's limits, OneHot's depth): an array of
+            # its own; sequences and optionals (lists, None) are not tensors and are left out.
+            ins, outs = (
+                [np.asarray(a) if isinstance(a, np.generic) else a for a in x] for x in (ins, outs)
+            )
+            if all(isinstance(a, np.ndarray) for a in [*ins, *outs]):
+                sets.append((dict(zip(in_names, ins)), outs))
         if not sets:
             continue
         path = tmp / f"{c.name}.onnx"
