@@ -132,7 +132,11 @@ def test_constant_value_floats_inside_an_if_branch_imports(tmp_path):
 
     nodes = [
         helper.make_node(
-            "If", ["c"], ["v"], then_branch=branch("a", [1, 2]), else_branch=branch("b", [3, 4])
+            "If",
+            ["c"],
+            ["v"],
+            then_branch=branch("a", [1.0, 2.0]),
+            else_branch=branch("b", [3.0, 4.0]),
         ),
         helper.make_node("Add", ["x", "v"], ["y"]),
     ]
