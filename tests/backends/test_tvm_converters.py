@@ -95,3 +95,12 @@ def test_space_to_depth_crd_bit_shift_past_width_and_bit_cast(tmp_path):
     x = np.arange(16, dtype=np.float32).reshape(1, 2, 2, 4)
     a = np.array([-8, 4, -1, 1065353216], np.int32)  # the last one is 1.0's bits
     _check(path, {"x": x, "a": a, "b": np.array([32, 33, -1, 2], np.int32)})
+
+
+def test_a_string_input_is_refused_naming_op_node_and_input(tmp_path):
+    # TVM has no string type; its importer failed with "unknown dtype `object`".
+    s = TensorProto.STRING
+    node = helper.make_node("Equal", ["x", "y"], ["z"], name="same")
+    path = _save(tmp_path, [node], {"x": (s, (2,)), "y": (s, (2,))}, {"z": TensorProto.BOOL}, 19)
+    with pytest.raises(BuildError, match=r"op 'Equal' at node 'same'.*input 'x' is a string"):
+        ek.build(path, backend="tvm", shapes={"x": [(2,)] * 3, "y": [(2,)] * 3})
