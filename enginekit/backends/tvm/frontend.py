@@ -46,10 +46,11 @@ def check_ops(model: Model) -> None:
 def _rewritten(proto: Any) -> tuple[Any, list[str]]:
     """``proto`` with function ops expanded to their bodies and Scans unrolled (a body may
     hold a Scan, a Scan's body function ops); the op types rewritten."""
-    from enginekit.backends.tvm.expand import expand_functions
+    from enginekit.backends.tvm.expand import expand_functions, qlinear_matmuls
     from enginekit.backends.tvm.scan import unroll_scans
 
     known = set(supported_ops())
+    proto = qlinear_matmuls(proto)
     proto, expanded = expand_functions(proto, known)
     if expanded and any(n.op_type == "Scan" for n in proto.graph.node):
         # A body's Scan gets its length from Shape arithmetic that folds once simplified.
