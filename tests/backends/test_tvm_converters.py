@@ -79,3 +79,28 @@ def test_reduce_max_of_all_minus_infinity_is_minus_infinity(tmp_path):
     path = _save(tmp_path, nodes, {"x": (F, (3, 2))}, {"m": F, "y": F}, 17, init)
     lowest = np.finfo(np.float32).min
     _check(path, {"x": np.array([[-np.inf, -np.inf], [lowest, -np.inf], [1, 2]], np.float32)})
+
+
+def test_space_to_depth_crd_bit_shift_past_width_and_bit_cast(tmp_path):
+    # TVM ignored SpaceToDepth's mode (always DCR order), emitted undefined LLVM shifts for
+    # shifts >= the width or negative, and had no BitCast converter.
+    i32 = TensorProto.INT32
+    nodes = [
+        helper.make_node("SpaceToDepth", ["x"], ["s"], blocksize=2, mode="CRD"),
+        helper.make_node("BitShift", ["a", "b"], ["r"], direction="RIGHT"),
+        helper.make_node("BitCast", ["a"], ["f"], to=F),
+    ]
+    inputs = {"x": (F, (1, 2, 2, 4)), "a": (i32, (4,)), "b": (i32, (4,))}
+    path = _save(tmp_path, nodes, inputs, {"s": F, "r": i32, "f": F}, 28)
+    x = np.arange(16, dtype=np.float32).reshape(1, 2, 2, 4)
+    a = np.array([-8, 4, -1, 1065353216], np.int32)  # the last one is 1.0's bits
+    _check(path, {"x": x, "a": a, "b": np.array([32, 33, -1, 2], np.int32)})
+
+
+def test_a_string_input_is_refused_naming_op_node_and_input(tmp_path):
+    # TVM has no string type; its importer failed with "unknown dtype `object`".
+    s = TensorProto.STRING
+    node = helper.make_node("Equal", ["x", "y"], ["z"], name="same")
+    path = _save(tmp_path, [node], {"x": (s, (2,)), "y": (s, (2,))}, {"z": TensorProto.BOOL}, 19)
+    with pytest.raises(BuildError, match=r"op 'Equal' at node 'same'.*input 'x' is a string"):
+        ek.build(path, backend="tvm", shapes={"x": [(2,)] * 3, "y": [(2,)] * 3})

@@ -263,6 +263,63 @@ def converters() -> dict[str, Any]:
             },
         )
 
+    class SpaceToDepth(onnx_frontend.SpaceToDepth):
+        """SpaceToDepth with ``mode="CRD"`` (channel, then the block's row and column); TVM
+        0.27 ignores ``mode`` and always gives DCR's channel order."""
+
+        @classmethod
+        def _impl_v1(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            mode = attr.get("mode", b"DCR")
+            if (mode.decode() if isinstance(mode, bytes) else str(mode)) != "CRD":
+                return super()._impl_v1(bb, inputs, attr, params)
+            size = int(attr["blocksize"])
+            b, c, h, w = inputs[0].ty.shape
+            x = relax.op.reshape(inputs[0], (b, c, h // size, size, w // size, size))
+            x = relax.op.permute_dims(x, [0, 1, 3, 5, 2, 4])
+            return relax.op.reshape(x, (b, c * size * size, h // size, w // size))
+
+    class BitShift(onnx_frontend.BitShift):
+        """A shift by the type's width or more, or by a negative amount (read as unsigned),
+        gives what ONNX Runtime gives: 0, or -1 for a negative value shifted right; TVM 0.27
+        emitted the bare LLVM shift, undefined there (ONNX's ``shift_ge_width`` cases)."""
+
+        @classmethod
+        def _impl_v11(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            y = bb.normalize(super()._impl_v11(bb, inputs, attr, params))
+            x, shift = inputs[0], inputs[1]
+            dtype, kind = str(y.ty.dtype), str(shift.ty.dtype)
+            bits = np.dtype(dtype).itemsize * 8
+            past = relax.op.greater_equal(shift, relax.const(bits, kind))
+            if kind.startswith("int"):
+                past = relax.op.logical_or(past, relax.op.less(shift, relax.const(0, kind)))
+            fill: Any = relax.const(0, dtype)
+            right = attr.get("direction", b"LEFT") in (b"RIGHT", "RIGHT")
+            if right and dtype.startswith("int"):
+                fill = relax.op.where(
+                    relax.op.less(x, relax.const(0, dtype)), relax.const(-1, dtype), fill
+                )
+            return bb.emit(relax.op.where(past, fill, y))
+
+    class BitCast(onnx_frontend.OnnxOpConverter):
+        """The same bits read as another type of the same width (TOPI's ``reinterpret``); TVM
+        0.27 has no converter."""
+
+        @classmethod
+        def _impl_v1(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            from onnx import helper
+            from tvm import topi
+
+            x = inputs[0]
+            target = np.dtype(helper.tensor_dtype_to_np_dtype(int(attr["to"])))
+            if target.itemsize != np.dtype(str(x.ty.dtype)).itemsize:
+                name = attr["tvm_custom"]["name"] or "<unnamed>"
+                raise BuildError(
+                    f"TVM cannot convert op 'BitCast' at node {name!r} from {x.ty.dtype} to "
+                    f"{target}: enginekit converts only between types of the same width. "
+                    "Build with another backend (e.g. --backend onnxruntime)."
+                )
+            return bb.emit_te(topi.reinterpret, x, str(target))
+
     class LpNormalization(onnx_frontend.OnnxOpConverter):
         """x / ||x||_p along ``axis`` (p 1 or 2); TVM 0.27 has no converter. A zero norm gives
         0, as ONNX Runtime does."""
@@ -301,6 +358,9 @@ def converters() -> dict[str, Any]:
     return {
         **rnn.converters(),
         "CumProd": CumProd,
+        "SpaceToDepth": SpaceToDepth,
+        "BitShift": BitShift,
+        "BitCast": BitCast,
         "ReduceMax": infinite_extreme(onnx_frontend.ReduceMax, -1.0),
         "ReduceMin": infinite_extreme(onnx_frontend.ReduceMin, 1.0),
         "Mish": Mish,

@@ -228,3 +228,54 @@ def constant_values(proto: Any) -> Any:
         del node.attribute[:]
         node.attribute.append(onnx.helper.make_attribute("value", numpy_helper.from_array(value)))
     return out
+
+
+def qlinear_matmuls(proto: Any) -> Any:
+    """``QLinearMatMul`` nodes with one scale and zero point per operand rewritten to
+    ``DequantizeLinear`` x 2, ``MatMul``, ``QuantizeLinear`` (TVM 0.27 has no converter, and
+    has all four). The product of the dequantized integers is exact in float32 for the
+    small K of such layers; per-row/column scales are left to the op check, which names the
+    node. Returns ``proto`` itself when there is none."""
+    import onnx
+    from onnx import helper
+
+    nodes = list(proto.graph.node)
+    if not any(n.op_type == "QLinearMatMul" for n in nodes):
+        return proto
+    types = _types(proto)
+
+    def scalar(name: str) -> bool:
+        t = types.get(name)
+        if t is None or not t.tensor_type.HasField("shape"):
+            return False
+        dims = t.tensor_type.shape.dim
+        return all(d.HasField("dim_value") and d.dim_value == 1 for d in dims)
+
+    new = []
+    for i, node in enumerate(nodes):
+        if node.op_type != "QLinearMatMul" or not all(
+            scalar(n) for n in node.input[1:3] + node.input[4:8]
+        ):
+            new.append(node)
+            continue
+        a, a_s, a_z, b, b_s, b_z, y_s, y_z = node.input
+        tag = f"enginekit_qlmm{i}_"
+        # Scales cast to float32 first: with float16 scales the float16 product lost the
+        # exactness of the integer sums (ONNX's uint8/float16 cases differed by one level).
+        f32 = onnx.TensorProto.FLOAT
+        new += [
+            helper.make_node("Cast", [a_s], [tag + "as"], to=f32),
+            helper.make_node("Cast", [b_s], [tag + "bs"], to=f32),
+            helper.make_node("Cast", [y_s], [tag + "ys"], to=f32),
+            helper.make_node("DequantizeLinear", [a, tag + "as", a_z], [tag + "a"]),
+            helper.make_node("DequantizeLinear", [b, tag + "bs", b_z], [tag + "b"]),
+            helper.make_node("MatMul", [tag + "a", tag + "b"], [tag + "y"]),
+            helper.make_node(
+                "QuantizeLinear", [tag + "y", tag + "ys", y_z], list(node.output), name=node.name
+            ),
+        ]
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    del out.graph.node[:]
+    out.graph.node.extend(new)
+    return out

@@ -48,10 +48,11 @@ def check_ops(model: Model) -> None:
 def _rewritten(proto: Any) -> tuple[Any, list[str]]:
     """``proto`` with function ops expanded to their bodies and Scans unrolled (a body may
     hold a Scan, a Scan's body function ops); the op types rewritten."""
-    from enginekit.backends.tvm.expand import expand_functions
+    from enginekit.backends.tvm.expand import expand_functions, qlinear_matmuls
     from enginekit.backends.tvm.scan import unroll_scans
 
     known = set(supported_ops())
+    proto = qlinear_matmuls(proto)
     proto, expanded = expand_functions(proto, known)
     if expanded and any(n.op_type == "Scan" for n in proto.graph.node):
         # A body's Scan gets its length from Shape arithmetic that folds once simplified.
@@ -72,6 +73,7 @@ def check_nodes(proto: Any) -> None:
         if domain not in ("ai.onnx", "") or node.op_type not in known:
             missing.append((index, node, domain))
     if not missing:
+        _check_strings(proto)
         _check_data_dependent(proto)
         _check_constant_inputs(proto)
         return
@@ -87,6 +89,26 @@ def check_nodes(proto: Any) -> None:
         "op into supported ones before export (`enginekit backends --json` lists what each "
         "backend converts)."
     )
+
+
+def _check_strings(proto: Any) -> None:
+    """Raise BuildError naming the first node that takes a string tensor from the graph's
+    inputs (TVM has no string type: its importer failed with "unknown dtype `object`")."""
+    from onnx import TensorProto
+
+    strings = {
+        v.name for v in proto.graph.input if v.type.tensor_type.elem_type == TensorProto.STRING
+    }
+    strings |= {t.name for t in proto.graph.initializer if t.data_type == TensorProto.STRING}
+    for index, node in enumerate(proto.graph.node):
+        name = next((i for i in node.input if i in strings), None)
+        if name is not None:
+            raise BuildError(
+                f"TVM {_version()} cannot compile op {node.op_type!r} at node "
+                f"{node.name or '<unnamed>'!r} (#{index} of the graph): its input {name!r} is a "
+                "string tensor, a type TVM does not have. Build this model with another "
+                "backend (e.g. --backend onnxruntime)."
+            )
 
 
 def _check_data_dependent(proto: Any) -> None:
