@@ -79,3 +79,31 @@ def test_a_weight_bound_kernel_puts_the_output_channel_tiles_outermost():
     # One row: no block to reuse a weight vector across rows, so the tile is several vectors
     # wide (independent FMA chains) instead of one.
     assert "T.vectorized(T.int64(32))" in script
+
+
+def _add(shape: tuple[int, int]):
+    from tvm.script import tirx as T
+
+    rows, cols = (T.int64(d) for d in shape)
+
+    @T.prim_func(private=True, s_tir=True)
+    def add(
+        a: T.Buffer((rows, cols), "float32"),
+        b: T.Buffer((rows, cols), "float32"),
+        c: T.Buffer((rows, cols), "float32"),
+    ):
+        for i, j in T.grid(rows, cols):
+            with T.sblock("add"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                c[vi, vj] = a[vi, vj] + b[vi, vj]
+
+    return add
+
+
+def test_a_kernel_smaller_than_a_parallel_launch_runs_on_one_thread():
+    from enginekit.backends.tvm import schedule
+
+    small = schedule.schedule_cpu(_add((8, 64)), 8).mod.script()
+    large = schedule.schedule_cpu(_add((1024, 256)), 8).mod.script()
+    assert "parallel" not in small and "vectorized" in small
+    assert "parallel" in large

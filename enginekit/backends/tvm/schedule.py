@@ -104,7 +104,7 @@ def _block_factor(extent: int | None, lanes: int) -> int:
     return next((f for f in blocks if extent % f == 0), 1)
 
 
-def _schedule_injective(sch: Any, block: Any, lanes: int) -> None:
+def _schedule_injective(sch: Any, block: Any, lanes: int, parallel: bool = True) -> None:
     loops = sch.get_loops(block)
     if not loops:
         return
@@ -122,7 +122,9 @@ def _schedule_injective(sch: Any, block: Any, lanes: int) -> None:
     else:
         outer.append(inner)
     if outer:
-        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+        fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+        if parallel:
+            sch.parallel(fused)
 
 
 def _pads_inner_axis(sch: Any, block: Any) -> bool:
@@ -212,7 +214,9 @@ def _weight_bound(sch: Any, block: Any) -> bool:
     return weight > activation
 
 
-def _schedule_reduction(sch: Any, infos: list[Any], index: int, lanes: int) -> None:
+def _schedule_reduction(
+    sch: Any, infos: list[Any], index: int, lanes: int, parallel: bool = True
+) -> None:
     main = infos[index]
     separate = []
     for producer in infos[:index]:
@@ -269,7 +273,8 @@ def _schedule_reduction(sch: Any, infos: list[Any], index: int, lanes: int) -> N
     tile = None
     if outer:
         tile = sch.fuse(*outer) if len(outer) > 1 else outer[0]
-        sch.parallel(tile)
+        if parallel:
+            sch.parallel(tile)
     epilogue = list(infos[index + 1 :])
     if reduce and tile is not None:
         # Accumulate the tile in registers, then write it back through the fused epilogue.
@@ -290,7 +295,7 @@ def _schedule_reduction(sch: Any, infos: list[Any], index: int, lanes: int) -> N
     if reduce:
         sch.decompose_reduction(block, reduce[0])
     for other in separate + epilogue:
-        _schedule_injective(sch, other.block_rv, lanes)
+        _schedule_injective(sch, other.block_rv, lanes, parallel)
 
 
 def _rows_block(lanes: int) -> int:
@@ -337,6 +342,14 @@ def _pad_rows(sch: Any, lanes: int) -> bool:
     return True
 
 
+def _union(first: Any, second: Any) -> list[Any]:
+    """Both lists of buffers, each once: a buffer neither schedule changed (a conv's padded
+    input) is the same object in both, and TVM refuses a buffer allocated twice."""
+    out = list(first)
+    out += [b for b in second if not any(b.same_as(a) for a in out)]
+    return out
+
+
 class _Chosen:
     """Two schedules of one kernel as one function: ``if cond: first else: second``.
 
@@ -354,14 +367,59 @@ class _Chosen:
         ra, rb = a.body.block, b.body.block
         root = s_tir.SBlock(
             [], [], [], "root", tirx.IfThenElse(cond, ra.body, rb.body),
-            alloc_buffers=list(ra.alloc_buffers) + list(rb.alloc_buffers),
+            alloc_buffers=_union(ra.alloc_buffers, rb.alloc_buffers),
         )  # fmt: skip
         body = s_tir.SBlockRealize([], True, root)
         self.mod = tvm.IRModule({"main": b.with_body(body)})
 
 
+#: Iterations of a kernel's heaviest block (multiply-adds of a conv or matmul, elements of
+#: an elementwise kernel) below which it runs on one thread: a parallel launch costs more
+#: than such a kernel's work, and under load it waits for a descheduled worker.
+PARALLEL_WORK = 1 << 16
+
+
+def _work(func: Any) -> tuple[int, Any] | None:
+    """(static product, symbolic product or None) of the heaviest block's iteration domain."""
+    from tvm import s_tir
+    from tvm.s_tir import dlight
+
+    infos = dlight.normalize_prim_func(s_tir.Schedule(func))
+    if not infos:
+        return None
+    main = next((b for b in infos if not b.is_injective()), infos[-1])
+    static, symbolic = 1, None
+    for it in main.iters:
+        dom = it.dom
+        if isinstance(dom, int):
+            static *= dom
+        else:
+            symbolic = dom if symbolic is None else symbolic * dom
+    return static, symbolic
+
+
 def schedule_cpu(func: Any, lanes: int) -> Any:
-    """A schedule for ``func`` (a TIR PrimFunc), or None where the rule does not apply."""
+    """A schedule for ``func`` (a TIR PrimFunc), or None where the rule does not apply.
+
+    Small kernels (below :data:`PARALLEL_WORK`) get serial loops; one whose size depends on a
+    symbolic dim (the batch) and may fall either side gets both schedules, chosen at run time.
+    """
+    work = _work(func)
+    if work is None:
+        return None
+    static, symbolic = work
+    if symbolic is None or static >= PARALLEL_WORK:
+        return _schedule(func, lanes, static >= PARALLEL_WORK or symbolic is not None)
+    parallel = _schedule(func, lanes, True)
+    serial = _schedule(func, lanes, False)
+    if parallel is None or serial is None:
+        return parallel
+    # Either may itself be a choice (a matmul's padded rows): the choices nest.
+    return _Chosen(parallel, serial, symbolic * static >= PARALLEL_WORK)
+
+
+def _schedule(func: Any, lanes: int, parallel: bool) -> Any:
+    """:func:`schedule_cpu` with or without parallel loops."""
     from tvm import s_tir
     from tvm.s_tir import dlight
 
@@ -372,7 +430,7 @@ def schedule_cpu(func: Any, lanes: int) -> Any:
     reductions = [i for i, b in enumerate(infos) if not b.is_injective()]
     if not reductions:
         for info in dlight.try_inline(sch, infos):
-            _schedule_injective(sch, info.block_rv, lanes)
+            _schedule_injective(sch, info.block_rv, lanes, parallel)
         return sch
     if len(reductions) == 1:
         rows = _symbolic_rows(sch, infos[reductions[0]])
@@ -384,10 +442,10 @@ def schedule_cpu(func: Any, lanes: int) -> Any:
             # batch 1, where padding would multiply a memory-bound GEMV's work by four).
             infos_p = dlight.normalize_prim_func(padded)
             index = next(i for i, b in enumerate(infos_p) if not b.is_injective())
-            _schedule_reduction(padded, infos_p, index, lanes)
-            _schedule_reduction(sch, infos, reductions[0], lanes)
+            _schedule_reduction(padded, infos_p, index, lanes, parallel)
+            _schedule_reduction(sch, infos, reductions[0], lanes, parallel)
             return _Chosen(padded, sch, rows >= _rows_block(lanes))
-        _schedule_reduction(sch, infos, reductions[0], lanes)
+        _schedule_reduction(sch, infos, reductions[0], lanes, parallel)
         return sch
     return None  # softmax, layer norm: DLight's Reduction rule
 
