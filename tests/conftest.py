@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,24 @@ def onnx_model(model_dir: Path):
         return cache[name]
 
     return get
+
+
+def errors_in_threads(call: Callable[[], object], threads: int = 4) -> list[BaseException]:
+    """Run ``call`` in ``threads`` threads at once; what each raised (an assert included)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # reported to the test
+            errors.append(exc)
+
+    started = [threading.Thread(target=run) for _ in range(threads)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join()
+    return errors
 
 
 def reference(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

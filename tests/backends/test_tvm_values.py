@@ -8,13 +8,12 @@ Shape"); ONNX's own test cases feed such operands as graph inputs like this.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from conftest import reference
+from conftest import errors_in_threads, reference
 from onnx import TensorProto, helper
 
 import enginekit as ek
@@ -123,21 +122,12 @@ def test_program_cache_is_bounded(reshape_artifact):
 def test_concurrent_first_calls_with_new_values_compile_once(reshape_artifact):
     _, out = reshape_artifact
     feeds = {"x": np.ones((2, 6), np.float32), "shape": np.array([1, 12], np.int64)}
-    errors: list[BaseException] = []
     with ek.load(out) as engine:
 
         def call() -> None:
-            try:
-                assert engine.infer(feeds)["y"].shape == (1, 12)
-            except BaseException as exc:  # reported below
-                errors.append(exc)
+            assert engine.infer(feeds)["y"].shape == (1, 12)
 
-        threads = [threading.Thread(target=call) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors
+        assert not errors_in_threads(call)
         assert engine.programs == ["shape=[2, 6]", "shape=[1, 12]"]
 
 

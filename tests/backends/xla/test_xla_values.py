@@ -7,15 +7,13 @@ Slice operands as graph inputs like this.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 pytest.importorskip("jax", reason="the XLA backend needs jax")
 
 import xla_graphs as graphs
-from conftest import reference
+from conftest import errors_in_threads, reference
 from onnx import TensorProto, helper
 
 import enginekit as ek
@@ -133,20 +131,11 @@ def test_concurrent_first_calls_with_new_values_compile_once(tmp_path):
         path, backend="xla", shapes={"x": (2, 6), "shape": (2,)}, simplify=False, verify=False
     )
     feeds = {"x": np.ones((2, 6), np.float32), "shape": np.array([6, 2], np.int64)}
-    errors: list[BaseException] = []
 
     def call() -> None:
-        try:
-            assert engine.infer(feeds)["y"].shape == (6, 2)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        assert engine.infer(feeds)["y"].shape == (6, 2)
 
-    threads = [threading.Thread(target=call) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert not errors_in_threads(call)
     assert [k for k in engine.programs if k.startswith("shape=[6, 2]")] == ["shape=[6, 2]: 2x6"]
     engine.close()
 
