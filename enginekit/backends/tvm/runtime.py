@@ -116,6 +116,11 @@ class TvmEngine(Engine):
 
         # DLPack (as this TVM speaks it) cannot export a read-only array (np.frombuffer,
         # onnx.numpy_helper, broadcast views): those are copied.
+        if array.size == 0:
+            # An empty array may carry any strides (onnx's loader gives 0, 0, 0) and numpy
+            # exports them as they are; the VM rejects them ("Mismatched x.strides"). A TVM
+            # tensor of that shape has compact ones.
+            return tvm.runtime.tensor(np.empty(array.shape, array.dtype), device=self._dev)
         aligned = array.ctypes.data % _ALIGN == 0
         if self._cpu and array.flags.c_contiguous and array.flags.writeable and aligned:
             return tvm.runtime.from_dlpack(array)  # zero copy
