@@ -104,3 +104,10 @@ def test_a_string_input_is_refused_naming_op_node_and_input(tmp_path):
     path = _save(tmp_path, [node], {"x": (s, (2,)), "y": (s, (2,))}, {"z": TensorProto.BOOL}, 19)
     with pytest.raises(BuildError, match=r"op 'Equal' at node 'same'.*input 'x' is a string"):
         ek.build(path, backend="tvm", shapes={"x": [(2,)] * 3, "y": [(2,)] * 3})
+
+
+def test_eye_like_takes_its_dtype_attribute(tmp_path):
+    # TVM refused a dtype other than the input's ("dtype mismatch between input (int32)...").
+    node = helper.make_node("EyeLike", ["x"], ["y"], dtype=F, k=1)
+    path = _save(tmp_path, [node], {"x": (TensorProto.INT32, (3, 4))}, {"y": F}, 9)
+    _check(path, {"x": np.zeros((3, 4), np.int32)})

@@ -30,3 +30,21 @@ def test_a_scalar_input_stays_0d(tmp_path):
     with ek.build(path, backend="tvm", shapes={"x": [(3,)] * 3, "y": [()] * 3}) as engine:
         got = engine.infer({"x": x, "y": np.array(2.0, np.float32)})
     np.testing.assert_allclose(got["z"], x**2)
+
+
+def test_an_empty_input_with_odd_strides_runs(tmp_path):
+    # onnx's loader gives an empty array strides (0, 0, 0); passed zero-copy, the VM refused
+    # it ("Mismatched x.strides").
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, (3, 0, 5))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, (3, 0, 5))],
+    )
+    path = tmp_path / "empty.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)]), path)
+    base = np.zeros(64, np.float32)
+    start = (-base.ctypes.data % 64) // 4  # 64-byte aligned: the zero-copy path
+    x = np.lib.stride_tricks.as_strided(base[start:], (3, 0, 5), (0, 0, 0))
+    with ek.build(path, backend="tvm", shapes={"x": [(3, 0, 5)] * 3}) as engine:
+        assert engine.infer({"x": x})["y"].shape == (3, 0, 5)

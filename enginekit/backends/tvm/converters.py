@@ -320,6 +320,17 @@ def converters() -> dict[str, Any]:
                 )
             return bb.emit_te(topi.reinterpret, x, str(target))
 
+    class EyeLike(onnx_frontend.EyeLike):
+        """EyeLike whose ``dtype`` attribute differs from its input's (the output takes the
+        attribute's, as ONNX says); TVM 0.27 refused it ("dtype mismatch")."""
+
+        @classmethod
+        def _impl_v9(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            dtype = inputs[0].ty.dtype
+            if "dtype" in attr:
+                dtype = onnx_frontend.get_type(attr["dtype"])
+            return relax.op.eye_like(inputs[0], int(attr.get("k", 0)), dtype)
+
     class LpNormalization(onnx_frontend.OnnxOpConverter):
         """x / ||x||_p along ``axis`` (p 1 or 2); TVM 0.27 has no converter. A zero norm gives
         0, as ONNX Runtime does."""
@@ -358,6 +369,7 @@ def converters() -> dict[str, Any]:
     return {
         **rnn.converters(),
         "CumProd": CumProd,
+        "EyeLike": EyeLike,
         "SpaceToDepth": SpaceToDepth,
         "BitShift": BitShift,
         "BitCast": BitCast,

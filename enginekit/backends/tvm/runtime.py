@@ -157,10 +157,13 @@ class TvmEngine(Engine):
         import tvm
 
         # DLPack (as this TVM speaks it) cannot export a read-only array (np.frombuffer,
-        # onnx.numpy_helper, broadcast views): those are copied. An empty array is copied too:
-        # numpy gives it zero strides, which the compiled kernel's stride check rejects
-        # ("Mismatched data.strides") whenever its pointer happens to be aligned.
-        aligned = array.ctypes.data % _ALIGN == 0 and array.size > 0
+        # onnx.numpy_helper, broadcast views): those are copied.
+        if array.size == 0:
+            # An empty array may carry any strides (onnx's loader gives 0, 0, 0) and numpy
+            # exports them as they are; the VM rejects them ("Mismatched x.strides"). A TVM
+            # tensor of that shape has compact ones.
+            return tvm.runtime.tensor(np.empty(array.shape, array.dtype), device=self._dev)
+        aligned = array.ctypes.data % _ALIGN == 0
         if self._cpu and array.flags.c_contiguous and array.flags.writeable and aligned:
             return tvm.runtime.from_dlpack(array)  # zero copy
         # Not np.ascontiguousarray: it makes a 0-d array 1-d, which the VM rejects for a
