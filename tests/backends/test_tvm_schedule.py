@@ -107,3 +107,31 @@ def test_a_kernel_smaller_than_a_parallel_launch_runs_on_one_thread():
     large = schedule.schedule_cpu(_add((1024, 256)), 8).mod.script()
     assert "parallel" not in small and "vectorized" in small
     assert "parallel" in large
+
+
+@pytest.mark.parametrize("rows", [(8,), ("n", 5)])
+def test_an_outer_product_with_an_epilogue_adds_the_bias_once(tmp_path, rows):
+    # MatMul over K = 1 then Add (LinearAttention's state update): its unit reduction loop is
+    # normalized away, the block was taken for injective and the Add inlined into both its
+    # init and its update, adding the bias twice.
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((2, 1, 8)).astype(np.float32)
+    a = helper.make_tensor_value_info("a", TensorProto.FLOAT, [*rows, 1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [*rows, 8])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])],
+        "outer",
+        [a],
+        [y],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b[0], "b")],
+    )
+    path = tmp_path / "outer.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    shape = (8, 1) if len(rows) == 1 else (3, 5, 1)
+    shapes = None if len(rows) == 1 else {"a": [(1, 5, 1), (4, 5, 1), (8, 5, 1)]}
+    with ek.build(path, backend="tvm", shapes=shapes, verify=False) as e:
+        x = rng.standard_normal(shape).astype(np.float32)
+        np.testing.assert_allclose(e.infer({"a": x})["y"], x @ w + b[0], rtol=1e-5, atol=1e-6)

@@ -334,7 +334,7 @@ def _pad_rows(sch: Any, lanes: int) -> bool:
     from tvm.s_tir import dlight
 
     infos = dlight.normalize_prim_func(sch)
-    info = next(b for b in infos if not b.is_injective())
+    info = next(b for b in infos if _reduces(sch, b))
     kinds = info.dom_kind()
     loops = sch.get_loops(info.block_rv)
     spatial = [lp for lp, k in zip(loops, kinds) if k == "S"]
@@ -422,6 +422,14 @@ def schedule_cpu(func: Any, lanes: int) -> Any:
     return _Chosen(parallel, serial, symbolic * static >= PARALLEL_WORK)
 
 
+def _reduces(sch: Any, info: Any) -> bool:
+    """Whether a block reduces: a reduction iterator, or an init statement (a matmul over
+    K = 1, an outer product, keeps its init once its unit reduction loop is normalized away;
+    DLight then calls it injective, and TVM 0.27 inlining an epilogue into it applies the
+    epilogue to the init and the update both: ``x @ w + b`` added ``b`` twice)."""
+    return not info.is_injective() or sch.get(info.block_rv).init is not None
+
+
 def _schedule(func: Any, lanes: int, parallel: bool) -> Any:
     """:func:`schedule_cpu` with or without parallel loops."""
     from tvm import s_tir
@@ -431,7 +439,7 @@ def _schedule(func: Any, lanes: int, parallel: bool) -> Any:
     infos = dlight.normalize_prim_func(sch)
     if not infos:
         return None
-    reductions = [i for i, b in enumerate(infos) if not b.is_injective()]
+    reductions = [i for i, b in enumerate(infos) if _reduces(sch, b)]
     if not reductions:
         for info in dlight.try_inline(sch, infos):
             _schedule_injective(sch, info.block_rv, lanes, parallel)
@@ -445,7 +453,7 @@ def _schedule(func: Any, lanes: int, parallel: bool) -> Any:
             # block of rows), or wide vector tiles on unpadded rows (one to three rows, e.g.
             # batch 1, where padding would multiply a memory-bound GEMV's work by four).
             infos_p = dlight.normalize_prim_func(padded)
-            index = next(i for i, b in enumerate(infos_p) if not b.is_injective())
+            index = next(i for i, b in enumerate(infos_p) if _reduces(padded, b))
             _schedule_reduction(padded, infos_p, index, lanes, parallel)
             _schedule_reduction(sch, infos, reductions[0], lanes, parallel)
             return _Chosen(padded, sch, rows >= _rows_block(lanes))
