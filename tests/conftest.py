@@ -6,6 +6,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,13 +53,15 @@ def errors_in_threads(call: Callable[[], object], threads: int = 4) -> list[Base
     return errors
 
 
-def reference(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Outputs of ONNX Runtime CPU on the source model: what every backend is held to."""
+def reference(path: Path | Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Outputs of ONNX Runtime CPU on the source model (a path or a ModelProto): what every
+    backend is held to."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    source = path if isinstance(path, (str, Path)) else path.SerializeToString()
+    session = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, feeds)))
 

@@ -15,22 +15,43 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 
+class QdqCopy(NamedTuple):
+    """A copy of a Q/DQ model with the lookups the weight passes need, against its float
+    source (layers matched by node name)."""
+
+    model: onnx.ModelProto
+    graph: onnx.GraphProto
+    src_nodes: dict[str, onnx.NodeProto]
+    src_init: dict[str, onnx.TensorProto]
+    producer: dict[str, onnx.NodeProto]  # output name -> the node writing it (in the copy)
+    init: dict[str, onnx.TensorProto]  # the copy's initializers, edited in place
+
+
+def qdq_copy(qdq: onnx.ModelProto, source: onnx.ModelProto) -> QdqCopy:
+    out = copy.deepcopy(qdq)
+    graph = out.graph
+    return QdqCopy(
+        out,
+        graph,
+        {n.name: n for n in source.graph.node if n.name},
+        {t.name: t for t in source.graph.initializer},
+        {o: n for n in graph.node for o in n.output},
+        {t.name: t for t in graph.initializer},
+    )
+
+
 def correct_bias(
     qdq: onnx.ModelProto, source: onnx.ModelProto, rows: Sequence[Mapping[str, np.ndarray]]
 ) -> tuple[onnx.ModelProto, list[str]]:
     """A copy of ``qdq`` with corrected biases, and the layers corrected."""
-    out = copy.deepcopy(qdq)
-    graph = out.graph
-    src_nodes = {n.name: n for n in source.graph.node if n.name}
-    src_init = {t.name: t for t in source.graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
-    init = {t.name: t for t in graph.initializer}
+    out, graph, src_nodes, src_init, producer, init = qdq_copy(qdq, source)
 
     def dq(name: str) -> onnx.NodeProto | None:
         node = producer.get(name)
@@ -44,7 +65,7 @@ def correct_bias(
             continue
         if src.input[1] not in src_init or dq(node.input[1]) is None or dq(node.input[2]) is None:
             continue
-        if node.op_type == "Gemm" and _attr(src, "transB", 0) != 1:
+        if node.op_type == "Gemm" and int_attr(src, "transB", 0) != 1:
             continue
         layers.append((node, src))
     if not layers:
@@ -57,7 +78,7 @@ def correct_bias(
         error = (rounded - weight).reshape(weight.shape[0], weight.shape[1], -1).sum(axis=2)
         mean = means[src.input[0]]
         if node.op_type == "Conv":
-            groups = _attr(src, "group", 1)
+            groups = int_attr(src, "group", 1)
             per_group = error.shape[1]
             group = np.arange(error.shape[0]) // (error.shape[0] // groups)
             mean = mean[group[:, None] * per_group + np.arange(per_group)[None, :]]
@@ -83,7 +104,7 @@ def correct_bias(
     return out, done
 
 
-def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
+def int_attr(node: onnx.NodeProto, name: str, default: int) -> int:
     return next((int(a.i) for a in node.attribute if a.name == name), default)
 
 
