@@ -66,6 +66,20 @@ def reference(path: Path | Any, feeds: dict[str, np.ndarray]) -> dict[str, np.nd
     return dict(zip(names, session.run(names, feeds)))
 
 
+def matches_reference(
+    path: Path, feeds: dict[str, np.ndarray], backend: str, rtol: float, atol: float
+) -> None:
+    """Builds ``path`` on ``backend`` for exactly the feeds' shapes and checks every output
+    against :func:`reference`."""
+    import enginekit as ek
+
+    shapes = {k: [v.shape] * 3 for k, v in feeds.items()}
+    with ek.build(path, backend=backend, shapes=shapes) as engine:
+        got = engine.infer(feeds)
+    for name, want in reference(path, feeds).items():
+        np.testing.assert_allclose(got[name], want, rtol=rtol, atol=atol, err_msg=name)
+
+
 @pytest.fixture(scope="session")
 def mlp_path(onnx_model) -> Path:
     return onnx_model("mlp")
