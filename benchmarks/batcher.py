@@ -351,7 +351,12 @@ def run_model(
         if top:  # the goal's ceiling: with the load generator beside it, as the cell has
             beside.append(ceiling_slice(engine, full, max_batch, slice_s, rate))
         with ek.Batcher(
-            engine, max_batch, MAX_DELAY_MS, max_queue=max(count, 1024), name=name
+            engine,
+            max_batch,
+            MAX_DELAY_MS,
+            max_queue=max(count, 1024),
+            name=name,
+            workers=args.workers,
         ) as batcher:
             cpu = time.process_time()
             cell = open_loop(batcher.submit, samples, rate)
@@ -517,6 +522,13 @@ def main() -> None:
         "--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS)
     )
     p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="batcher worker threads (default 1, the Batcher's default; 2 lets two 1-thread "
+        "engine calls run at once on 2 cores, as the thread pool's do)",
+    )
+    p.add_argument(
         "--switch-interval",
         type=float,
         default=None,
@@ -538,7 +550,7 @@ def main() -> None:
     print(f"host: {cpu_name()}; ISA: {' '.join(sorted(cpu_flags())) or 'unknown'}")
     print(f"load average {load:.1f} on {os.cpu_count()} CPUs (a loaded machine skews every cell)")
     print(
-        f"batcher: max_delay_ms={MAX_DELAY_MS}, adaptive dispatch, 1 worker; pool: "
+        f"batcher: max_delay_ms={MAX_DELAY_MS}, adaptive dispatch, {args.workers} worker(s); pool: "
         f"{POOL_THREADS} threads; ONNX Runtime intra-op threads: {args.threads or 'default'}; "
         f"switch interval {sys.getswitchinterval() * 1e3:g} ms"
     )
@@ -575,6 +587,7 @@ def main() -> None:
             "isa": sorted(cpu_flags()),
             "load_average": load,
             "intra_op_threads": args.threads,
+            "workers": args.workers,
             "switch_interval_s": sys.getswitchinterval(),
             "seconds_per_cell": args.seconds,
             "rows": results,

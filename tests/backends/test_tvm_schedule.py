@@ -135,3 +135,31 @@ def test_an_outer_product_with_an_epilogue_adds_the_bias_once(tmp_path, rows):
     with ek.build(path, backend="tvm", shapes=shapes, verify=False) as e:
         x = rng.standard_normal(shape).astype(np.float32)
         np.testing.assert_allclose(e.infer({"a": x})["y"], x @ w + b[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_compile_failure_with_run_time_choices_is_retried_without_them(mlp_path, monkeypatch):
+    # TVM 0.27's lowering fails ("Find divide by zero") on some kernels given two schedules
+    # chosen at run time (torchvision's ViT and Swin, timm's MobileViT): the build compiles
+    # again with one schedule per kernel instead of failing the model.
+    from enginekit.backends.tvm import lower
+
+    real_apply, real_compile = lower.apply_schedules, lower.compile_module
+    calls: list[bool] = []
+
+    def apply(mod, target, schedule, database=None, choices=True):
+        calls.append(choices)
+        return real_apply(mod, target, schedule, database, choices)
+
+    def compile_once_failing(mod, target):
+        if len(calls) == 1:
+            raise ek.BuildError("TVM failed to compile the program for llvm: divide by zero")
+        return real_compile(mod, target)
+
+    monkeypatch.setattr(lower, "apply_schedules", apply)
+    monkeypatch.setattr(lower, "compile_module", compile_once_failing)
+    x = {"x": np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)}
+    with ek.build(mlp_path, backend="tvm") as e:
+        got, want = e.infer(x), reference(mlp_path, x)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5)
+    assert calls[:2] == [True, False]

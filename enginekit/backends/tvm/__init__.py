@@ -172,9 +172,10 @@ def _compile(
     """Schedule, compile and export ``mod``; returns (tuned kernels, scheduled kernels)."""
     from enginekit.backends.tvm import lower
 
-    scheduled, tuned = lower.apply_schedules(mod, target, opts["schedule"], database)
+    executable, scheduled, tuned = lower.schedule_and_compile(
+        mod, target, opts["schedule"], database
+    )
     done = {k["name"] for k in lower.kernel_summary(scheduled, blocks=False) if k["scheduled"]}
-    executable = lower.compile_module(scheduled, target)
     try:
         executable.export_library(str(path))
     except Exception as exc:

@@ -276,7 +276,7 @@ def optimize(
 
 
 def apply_schedules(
-    mod: Any, target: Any, schedule: str, database: Any = None
+    mod: Any, target: Any, schedule: str, database: Any = None, choices: bool = True
 ) -> tuple[Any, list[str]]:
     """Step 4: tuned kernels from ``database``, default schedules for the rest.
 
@@ -297,10 +297,32 @@ def apply_schedules(
         if target.kind.name == "cuda":
             mod = dlight.ApplyDefaultSchedule(*gpu_rules())(mod)
         elif schedule == "enginekit":
-            mod = dlight.ApplyDefaultSchedule(*cpu_rules(target))(mod)
+            mod = dlight.ApplyDefaultSchedule(*cpu_rules(target, choices))(mod)
         elif schedule == "dlight":
             mod = dlight.ApplyDefaultSchedule(dlight.cpu.GEMV(), dlight.cpu.Reduction())(mod)
     return mod, tuned
+
+
+def schedule_and_compile(
+    mod: Any, target: Any, schedule: str, database: Any = None
+) -> tuple[Any, Any, list[str]]:
+    """Steps 4-5: (the executable, the scheduled module, the kernels the database supplied).
+
+    enginekit's CPU rule may give a kernel two schedules chosen at run time (padded matmul
+    rows, serial small kernels); TVM 0.27's lowering fails on some of those ("Find divide by
+    zero" on torchvision's ViT and Swin, timm's MobileViT), so a failed compile is retried
+    once with one schedule per kernel.
+    """
+    # The passes may rewrite a module held once in place: the retry starts from a clone.
+    scheduled, tuned = apply_schedules(mod.clone(), target, schedule, database)
+    try:
+        return compile_module(scheduled, target), scheduled, tuned
+    except BuildError as exc:
+        if schedule != "enginekit" or target.kind.name == "cuda":
+            raise
+        log.info("tvm: %s; compiling again without run-time schedule choices", exc)
+    scheduled, tuned = apply_schedules(mod, target, schedule, database, choices=False)
+    return compile_module(scheduled, target), scheduled, tuned
 
 
 def compile_module(mod: Any, target: Any) -> Any:

@@ -402,7 +402,7 @@ def _work(func: Any) -> tuple[int, Any] | None:
     return static, symbolic
 
 
-def schedule_cpu(func: Any, lanes: int) -> Any:
+def schedule_cpu(func: Any, lanes: int, choices: bool = True) -> Any:
     """A schedule for ``func`` (a TIR PrimFunc), or None where the rule does not apply.
 
     Small kernels (below :data:`PARALLEL_WORK`) get serial loops; one whose size depends on a
@@ -412,8 +412,9 @@ def schedule_cpu(func: Any, lanes: int) -> Any:
     if work is None:
         return None
     static, symbolic = work
-    if symbolic is None or static >= PARALLEL_WORK:
-        return _schedule(func, lanes, static >= PARALLEL_WORK or symbolic is not None)
+    if not choices or symbolic is None or static >= PARALLEL_WORK:
+        parallel = static >= PARALLEL_WORK or symbolic is not None
+        return _schedule(func, lanes, parallel, choices)
     parallel = _schedule(func, lanes, True)
     serial = _schedule(func, lanes, False)
     if parallel is None or serial is None:
@@ -430,7 +431,7 @@ def _reduces(sch: Any, info: Any) -> bool:
     return not info.is_injective() or sch.get(info.block_rv).init is not None
 
 
-def _schedule(func: Any, lanes: int, parallel: bool) -> Any:
+def _schedule(func: Any, lanes: int, parallel: bool, choices: bool = True) -> Any:
     """:func:`schedule_cpu` with or without parallel loops."""
     from tvm import s_tir
     from tvm.s_tir import dlight
@@ -446,7 +447,7 @@ def _schedule(func: Any, lanes: int, parallel: bool) -> Any:
         return sch
     if len(reductions) == 1:
         rows = _symbolic_rows(sch, infos[reductions[0]])
-        padded = s_tir.Schedule(func) if rows is not None else None
+        padded = s_tir.Schedule(func) if rows is not None and choices else None
         if padded is not None and _pad_rows(padded, lanes):
             # Two schedules of one kernel, chosen at run time by the symbolic row count: rows
             # padded to the register block (many rows: each weight vector is reused by a
@@ -462,8 +463,9 @@ def _schedule(func: Any, lanes: int, parallel: bool) -> Any:
     return None  # softmax, layer norm: DLight's Reduction rule
 
 
-def cpu_rules(target: Any) -> list[Any]:
-    """Schedule rules for ``dlight.ApplyDefaultSchedule`` on an LLVM target, best first."""
+def cpu_rules(target: Any, choices: bool = True) -> list[Any]:
+    """Schedule rules for ``dlight.ApplyDefaultSchedule`` on an LLVM target, best first
+    (``choices=False``: one schedule per kernel, none chosen at run time)."""
     from tvm import tirx
     from tvm.s_tir import dlight
 
@@ -476,7 +478,7 @@ def cpu_rules(target: Any) -> list[Any]:
             if not isinstance(func, tirx.PrimFunc):
                 return None
             try:
-                sch = schedule_cpu(func, lanes)
+                sch = schedule_cpu(func, lanes, choices)
                 # A list is what ApplyDefaultSchedule accepts besides a Schedule.
                 return [sch] if isinstance(sch, _Chosen) else sch
             except Exception as exc:  # a pattern the rule misjudged: leave it to the next rule

@@ -82,8 +82,7 @@ def compile_program(mod: Any, target: Any, recipe: Recipe) -> Any:
         if recipe.layout != "NHWC":
             raise
         _, fused, _ = lower.optimize(mod, target, "NCHW", recipe.precision)
-    scheduled, _ = lower.apply_schedules(fused, target, recipe.schedule, None)
-    return lower.compile_module(scheduled, target).jit()
+    return lower.schedule_and_compile(fused, target, recipe.schedule)[0].jit()
 
 
 class Compiler:
