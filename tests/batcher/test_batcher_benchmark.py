@@ -30,7 +30,7 @@ def test_quick_run_reports_every_mode_at_every_rate(script, onnx_model):
     def make(n):
         return rng.standard_normal((n, 3, 16, 16)).astype(np.float32)
 
-    args = argparse.Namespace(quick=True, seconds=0.1)
+    args = argparse.Namespace(quick=True, seconds=0.1, workers=1)
     rows = script.run_model("cnn", engine, make, 8, args)
     engine.close()
     modes = [(r["fraction"], r["mode"]) for r in rows if "fraction" in r]

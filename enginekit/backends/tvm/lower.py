@@ -313,15 +313,18 @@ def schedule_and_compile(
     zero" on torchvision's ViT and Swin, timm's MobileViT), so a failed compile is retried
     once with one schedule per kernel.
     """
-    # The passes may rewrite a module held once in place: the retry starts from a clone.
-    scheduled, tuned = apply_schedules(mod.clone(), target, schedule, database)
+    # The passes may rewrite a module held once in place: the retry starts from a clone taken
+    # first (the first attempt compiles ``mod`` itself: a build from a clone is not
+    # byte-identical from one build to the next).
+    backup = mod.clone()
+    scheduled, tuned = apply_schedules(mod, target, schedule, database)
     try:
         return compile_module(scheduled, target), scheduled, tuned
     except BuildError as exc:
         if schedule != "enginekit" or target.kind.name == "cuda":
             raise
         log.info("tvm: %s; compiling again without run-time schedule choices", exc)
-    scheduled, tuned = apply_schedules(mod, target, schedule, database, choices=False)
+    scheduled, tuned = apply_schedules(backup, target, schedule, database, choices=False)
     return compile_module(scheduled, target), scheduled, tuned
 
 
