@@ -70,6 +70,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's enginekit and corpus, not an installed one
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import batcher_trace  # noqa: E402
 
 import enginekit as ek  # noqa: E402
 from enginekit.target import cpu_flags, cpu_name  # noqa: E402
@@ -244,16 +247,19 @@ def open_loop(
     samples: list[Any],
     rate: float,
     seed: int = 0,
+    trace: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """Submit ``samples`` at Poisson times of ``rate``/s from this thread; latencies from each
     scheduled arrival. Every arrival that is due when the generator wakes is submitted at once,
-    then it sleeps until the next one (so it holds the GIL only while it has work)."""
+    then it sleeps until the next one (so it holds the GIL only while it has work). With
+    ``trace`` (a dict), also records when each submit was called and the per-request times."""
     n = len(samples)
     arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n))
     due_at = arrivals.tolist()
     futures: list[concurrent.futures.Future | None] = [None] * n
     rejected = 0
     clock = time.perf_counter
+    submitted: list[float] | None = [] if trace is not None else None
     cpu = time.thread_time()
     start = clock() + 0.005
     i = 0
@@ -261,6 +267,8 @@ def open_loop(
         now = clock() - start
         j = bisect.bisect_right(due_at, now, i)
         while i < j:
+            if submitted is not None:
+                submitted.append(clock())
             try:
                 f = submit(samples[i])
                 f.add_done_callback(_mark)
@@ -277,6 +285,8 @@ def open_loop(
             f.exception()  # waits; a failed request still has a completion time
             done[k] = getattr(f, "done_at", np.nan)
     ok = ~np.isnan(done)
+    if trace is not None:
+        trace.update(start=start, arrivals=arrivals, submitted=submitted, done=done)
     latency = (done[ok] - (start + arrivals[ok])) * 1e3
     span = float(np.nanmax(done) - start) if ok.any() else float("nan")
     # Sustained rate: the middle 80% of completions, without the ramp at either end (the first
@@ -346,12 +356,27 @@ def run_model(
         # The pool runs at batch-1 speed: cut its cell to about `seconds` of work.
         cut = max(50, min(count, int(args.seconds / b1 * 1.2)))
         ones = [rows_of_batch(source, i % distinct) for i in range(cut)]
-        pool_cell = open_loop(lambda s: pool.submit(engine.infer, s), ones, rate)
+        # The lowest rate runs on a recording engine (each call's time; with --trace, which
+        # requests it ran): the lone batch-1 call as the pool and the batcher see it there.
+        low = fraction == rates[0]
+        pool_engine = cell_engine = engine
+        traces: dict[str, dict[str, Any]] = {"pool": {}, "batcher": {}}
+        if low:
+            tag, read = batcher_trace.tagger(source)
+            pool_engine, cell_engine = (
+                batcher_trace.Traced(engine, read),
+                batcher_trace.Traced(engine, read),
+            )
+            ones = [tag(o, k) for k, o in enumerate(ones)]
+            samples = [tag(o, k) for k, o in enumerate(samples)]
+        pool_cell = open_loop(
+            lambda s, e=pool_engine: pool.submit(e.infer, s), ones, rate, trace=traces["pool"]
+        )
         top = fraction == rates[-1]
         if top:  # the goal's ceiling: with the load generator beside it, as the cell has
             beside.append(ceiling_slice(engine, full, max_batch, slice_s, rate))
         with ek.Batcher(
-            engine,
+            cell_engine,
             max_batch,
             MAX_DELAY_MS,
             max_queue=max(count, 1024),
@@ -359,9 +384,24 @@ def run_model(
             workers=args.workers,
         ) as batcher:
             cpu = time.process_time()
-            cell = open_loop(batcher.submit, samples, rate)
+            cell = open_loop(batcher.submit, samples, rate, trace=traces["batcher"])
             cpu = time.process_time() - cpu
             stats = batcher.stats()
+        if low:
+            lone = lone_calls(pool_engine, cell_engine)
+            print(
+                f"lone batch-1 call at {rate:,.0f}/s (engine idle between requests): median "
+                f"{lone['pool_ms']:.3f} ms in the pool's threads, {lone['batcher_ms']:.3f} ms "
+                f"in the batcher's worker (back to back: {b1 * 1e3:.3f} ms)"
+            )
+            if getattr(args, "trace", False):
+                for mode, traced in (("pool", pool_engine), ("batcher", cell_engine)):
+                    t = traces[mode]
+                    tl = batcher_trace.timelines(
+                        traced.calls, t["start"], t["arrivals"], t["submitted"], t["done"]
+                    )
+                    lone[f"{mode}_trace"] = batcher_trace.summary(tl)
+                    batcher_trace.print_summary(mode, lone[f"{mode}_trace"])
         if top:
             beside.append(ceiling_slice(engine, full, max_batch, slice_s, rate))
         after = ceiling_slice(engine, full, max_batch, slice_s)
@@ -370,11 +410,16 @@ def run_model(
         before = after
         for mode, c in (("pool", pool_cell), ("batcher", cell)):
             row = {"model": name, "rate": rate, "fraction": fraction, "mode": mode, **c}
+            if low:
+                row["lone_batch1_ms"] = lone[f"{mode}_ms"]
+                if f"{mode}_trace" in lone:
+                    row["trace"] = lone[f"{mode}_trace"]
             row["ceiling"] = local
             row["of_ceiling"] = c["throughput"] / local
             notes = ""
             if mode == "batcher":
                 sizes = stats["batch_size"]
+                row["workers"] = stats["workers"]
                 row["full_batches"] = sizes.get(max_batch, 0) / max(stats["batches"], 1)
                 row["mean_batch"] = stats["mean_batch_size"]
                 row["reasons"] = stats["dispatch_reasons"]
@@ -388,7 +433,7 @@ def run_model(
                 row["cpu_per_row_us"] = cpu / count * 1e6
                 row["ceiling_cpu_per_row_us"] = local_cpu * 1e6
                 notes = (
-                    f"batch {stats['mean_batch_size']:.1f} ({row['full_batches']:.0%} full), "
+                    f"{stats['workers']} worker(s), batch {stats['mean_batch_size']:.1f} ({row['full_batches']:.0%} full), "
                     f"engine busy {row['engine_busy']:.0%} "
                     f"({row['engine_ms_per_batch']:.2f} ms/batch, ceiling "
                     f"{row['ceiling_ms_per_batch']:.2f} at {max_batch}), "
@@ -425,6 +470,15 @@ def run_model(
          "generator_cpu_us": gen}
     )  # fmt: skip
     return rows
+
+
+def lone_calls(pool: Any, batcher: Any) -> dict[str, float]:
+    """Median ms of the batch-1 engine calls each recording engine saw."""
+    out = {}
+    for mode, traced in (("pool", pool), ("batcher", batcher)):
+        ones = [c.end - c.start for c in traced.calls if len(c.tags) == 1]
+        out[f"{mode}_ms"] = float(np.median(ones)) * 1e3 if ones else float("nan")
+    return out
 
 
 def rows_of_batch(batch: Any, i: int) -> Any:
@@ -506,6 +560,10 @@ def goals_for(name: str, rows: list[dict[str, Any]]) -> list[tuple[str, float, f
     ]
 
 
+def workers_arg(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
@@ -523,10 +581,16 @@ def main() -> None:
     )
     p.add_argument(
         "--workers",
-        type=int,
-        default=1,
-        help="batcher worker threads (default 1, the Batcher's default; 2 lets two 1-thread "
-        "engine calls run at once on 2 cores, as the thread pool's do)",
+        type=workers_arg,
+        default="auto",
+        help="batcher worker threads: 'auto' (default, the Batcher's default: one per call the "
+        "engine runs at once, i.e. one per core for a 1-thread ONNX Runtime engine) or a count",
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="at the lowest rate, print each of the slowest 2%% of requests' timeline (late "
+        "submit, wait, engine, resolve) and what made it slow, for the pool and the batcher",
     )
     p.add_argument(
         "--switch-interval",
@@ -550,7 +614,7 @@ def main() -> None:
     print(f"host: {cpu_name()}; ISA: {' '.join(sorted(cpu_flags())) or 'unknown'}")
     print(f"load average {load:.1f} on {os.cpu_count()} CPUs (a loaded machine skews every cell)")
     print(
-        f"batcher: max_delay_ms={MAX_DELAY_MS}, adaptive dispatch, {args.workers} worker(s); pool: "
+        f"batcher: max_delay_ms={MAX_DELAY_MS}, adaptive dispatch, workers={args.workers}; pool: "
         f"{POOL_THREADS} threads; ONNX Runtime intra-op threads: {args.threads or 'default'}; "
         f"switch interval {sys.getswitchinterval() * 1e3:g} ms"
     )

@@ -28,6 +28,7 @@ from enginekit.batcher.defaults import (
     positive,
     preferred_for,
     run_warmup,
+    workers_for,
 )
 from enginekit.batcher.metrics import Metrics, prometheus, snapshot
 from enginekit.batcher.policy import ArrivalRate, CostModel, decide, take_size
@@ -64,7 +65,9 @@ class Batcher:
         max_queue: the most requests waiting; one more raises QueueFull at submit.
         timeout_ms: default deadline of a request, from submit (None: none). A request still
             queued at its deadline fails with DeadlineExceeded.
-        workers: engine threads (default 1; more only for engines that run concurrently).
+        workers: engine threads ("auto", the default: as many as calls the engine runs at
+            once by its own build — an ONNX Runtime CPU engine with ``intra_op_threads=k``
+            gets ``cores // k``, an OpenVINO engine one per CPU stream, any other engine 1).
         adaptive: send a batch before the window ends when waiting is not expected to pay
             (measured engine time against arrivals); False waits out every window.
         preferred_sizes: batch sizes to form when more rows wait ("auto": the engine's padding
@@ -87,7 +90,7 @@ class Batcher:
         *,
         max_queue: int = 1024,
         timeout_ms: float | None = None,
-        workers: int = 1,
+        workers: int | str = "auto",
         adaptive: bool = True,
         preferred_sizes: Sequence[int] | str = "auto",
         starvation_ms: float | None = None,
@@ -102,12 +105,13 @@ class Batcher:
             max_batch_size = engine_max_batch(engine) or DEFAULT_MAX_BATCH
         positive("max_batch_size", max_batch_size, integer=True)
         positive("max_queue", max_queue, integer=True)
-        positive("workers", workers, integer=True)
+        workers = workers_for(engine, workers)
         if max_delay_ms < 0:
             raise UsageError(f"max_delay_ms={max_delay_ms}: expected >= 0 (0 sends at once)")
         if timeout_ms is not None:
             positive("timeout_ms", timeout_ms)
         self.max_batch_size = int(max_batch_size)
+        self.workers = workers
         self.max_delay = max_delay_ms / 1e3
         self.max_queue = int(max_queue)
         self.timeout = timeout_ms / 1e3 if timeout_ms is not None else None
@@ -234,6 +238,7 @@ class Batcher:
                 self._metrics,
                 queue_depth=self._queue.count,
                 queue_rows=self._queue.rows,
+                workers=self._workers,
                 running_batches=self._running - self._idle,
                 arrival_rate_per_s=0.0 if math.isinf(gap) or gap <= 0 else 1.0 / gap,
                 model={

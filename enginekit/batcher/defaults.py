@@ -1,8 +1,10 @@
 """What a Batcher's arguments default to, and how they are checked: the largest batch the engine's
-profiles accept, the engine's padding buckets as preferred sizes, a warm-up run."""
+profiles accept, the engine's padding buckets as preferred sizes, as many workers as calls the
+engine runs at once, a warm-up run."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 
@@ -46,6 +48,46 @@ def preferred_for(
     if bad:
         raise UsageError(f"preferred_sizes {bad}: each must lie in 1..max_batch_size ({max_batch})")
     return preferred
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity masks (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def engine_concurrency(engine: Engine) -> int:
+    """How many ``infer`` calls ``engine`` runs at once without one waiting for another, as its
+    build reports it: an OpenVINO engine's CPU streams; an ONNX Runtime CPU engine built with a
+    fixed ``intra_op_threads`` (sequential execution) fits ``cores // intra_op_threads`` calls
+    side by side. 1 for everything else: an engine that already spreads one call over every
+    core (ONNX Runtime's default), a GPU engine, or one that says nothing."""
+    backend = engine.manifest.get("backend") or {}
+    metadata = backend.get("metadata") or {}
+    options = (engine.manifest.get("config") or {}).get("options") or {}
+    name = backend.get("name")
+    try:
+        if name == "openvino":
+            return max(1, int(metadata.get("streams", 1)))
+        if name == "onnxruntime" and metadata.get("providers") == ["CPUExecutionProvider"]:
+            threads = int(options.get("intra_op_threads", 0))
+            if threads > 0 and options.get("execution_mode", "sequential") == "sequential":
+                return max(1, usable_cores() // threads)
+    except (TypeError, ValueError):  # a hand-written manifest: no claim to act on
+        return 1
+    return 1
+
+
+def workers_for(engine: Engine, workers: int | str) -> int:
+    """The ``workers`` argument checked, with "auto" resolved for ``engine``."""
+    if isinstance(workers, str):
+        if workers != "auto":
+            raise UsageError(f"workers={workers!r}: expected 'auto' or a positive integer")
+        return engine_concurrency(engine)
+    positive("workers", workers, integer=True)
+    return workers
 
 
 def positive(name: str, value: float, integer: bool = False) -> None:

@@ -30,7 +30,7 @@ def test_quick_run_reports_every_mode_at_every_rate(script, onnx_model):
     def make(n):
         return rng.standard_normal((n, 3, 16, 16)).astype(np.float32)
 
-    args = argparse.Namespace(quick=True, seconds=0.1, workers=1)
+    args = argparse.Namespace(quick=True, seconds=0.1, workers="auto")
     rows = script.run_model("cnn", engine, make, 8, args)
     engine.close()
     modes = [(r["fraction"], r["mode"]) for r in rows if "fraction" in r]
@@ -69,3 +69,55 @@ def test_open_loop_submits_every_arrival_and_measures_from_the_schedule(script):
 def test_noop_overhead_is_measured(script):
     wall, cpu = script.overhead(400)
     assert 0 < wall < 10_000 and 0 < cpu < 10_000
+
+
+def test_trace_tells_what_made_each_slow_request_slow(script):
+    trace = script.batcher_trace
+    Call = trace.Call
+    # ms from 0: the cell starts at 0; every request is scheduled at its number x 10 ms.
+    calls = [
+        Call((0,), 0.0002, 0.0032, 1),  # alone, on time
+        Call((1,), 0.0135, 0.0165, 1),  # submitted at 10.5 while nothing ran: waited 3 ms
+        Call((2,), 0.0213, 0.0243, 1),  # submitted 4 ms late
+        Call((3,), 0.0301, 0.0401, 1),  # alone, its engine call took 10 ms
+        Call((4,), 0.0402, 0.0432, 2),  # submitted at 40.1, behind call 3 until 40.1
+        Call((5,), 0.0433, 0.0463, 1),  # submitted at 41, behind call 4 until 43.2
+    ]
+    arrivals = np.array([0.0, 0.010, 0.017, 0.030, 0.040, 0.041])
+    submitted = [0.0001, 0.0105, 0.021, 0.0300, 0.0401, 0.041]
+    done = np.array([c.end + 0.0001 for c in calls])
+    rows = trace.timelines(calls, 0.0, arrivals, submitted, done)
+    classes = {r["request"]: r["class"] for r in rows}
+    assert classes == {
+        0: "other",
+        1: "window",
+        2: "late submit",
+        3: "slow engine",
+        4: "other",
+        5: "queued",
+    }
+    assert rows[5]["behind_ms"] == pytest.approx(2.2) and rows[5]["running_at_submit"] == 1
+    summary = trace.summary(rows, share=0.5)
+    assert [r["request"] for r in summary["tail"]] == [3, 2, 1]  # the slowest half
+    assert {c: n for c, n in summary["tail_classes"].items() if n} == {
+        "slow engine": 1,
+        "late submit": 1,
+        "window": 1,
+    }
+
+
+def test_quick_run_with_trace_reports_the_lone_call_and_the_tail(script, onnx_model, capsys):
+    engine = build(onnx_model, "cnn")
+    rng = np.random.default_rng(0)
+    args = argparse.Namespace(quick=True, seconds=0.1, workers=1, trace=True)
+    rows = script.run_model(
+        "cnn", engine, lambda n: rng.standard_normal((n, 3, 16, 16)).astype(np.float32), 8, args
+    )
+    engine.close()
+    low = [r for r in rows if r.get("fraction") == script.QUICK_RATES[0]]
+    for r in low:
+        assert r["lone_batch1_ms"] > 0
+        assert r["trace"]["requests"] > 0
+        assert sum(r["trace"]["tail_classes"].values()) == len(r["trace"]["tail"]) >= 1
+    out = capsys.readouterr().out
+    assert "lone batch-1 call" in out and "trace batcher" in out and "trace pool" in out

@@ -1,0 +1,113 @@
+"""How many engine threads a Batcher runs: as many as calls its engine runs at once ("auto"),
+and what a second one buys — a request that arrives while a batch is inside the engine runs
+beside it instead of waiting it out."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from batcher_engines import build, rows
+from models import CASES
+
+import enginekit as ek
+from enginekit.batcher import defaults
+from enginekit.batcher.defaults import engine_concurrency
+
+BLOCK = 777.0  # a row whose first pixel is this holds its batch until the test opens the gate
+
+
+@pytest.fixture(scope="module")
+def cnn(onnx_model):
+    engine = build(onnx_model, "cnn")
+    yield engine
+    engine.close()
+
+
+class Blocking(ek.Engine):
+    """Runs ``inner``; a batch with a BLOCK row waits at ``gate``; claims ``manifest``."""
+
+    def __init__(self, inner: ek.Engine, manifest: dict) -> None:
+        super().__init__(inner.inputs, inner.outputs, inner.profiles, manifest)
+        self.inner = inner
+        self.gate = threading.Event()
+        self.blocked = threading.Event()
+
+    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        first = next(iter(feeds.values()))
+        if BLOCK in first.reshape(len(first), -1)[:, 0]:
+            self.blocked.set()
+            if not self.gate.wait(30):
+                raise RuntimeError("test gate never opened")
+        return self.inner.infer(feeds)
+
+
+def ort_cpu(threads: int, **options: object) -> dict:
+    return {
+        "backend": {"name": "onnxruntime", "metadata": {"providers": ["CPUExecutionProvider"]}},
+        "config": {"options": {"intra_op_threads": threads, **options}},
+    }
+
+
+def test_auto_follows_what_the_engine_build_says(cnn, monkeypatch):
+    monkeypatch.setattr(defaults, "usable_cores", lambda: 4)
+    gpu = ort_cpu(1)
+    gpu["backend"]["metadata"]["providers"] = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    claims = {
+        "ort 1 thread": (ort_cpu(1), 4),
+        "ort 2 threads": (ort_cpu(2), 2),
+        "ort 3 threads": (ort_cpu(3), 1),
+        "ort default threads (all cores)": (ort_cpu(0), 1),
+        "ort parallel mode": (ort_cpu(1, execution_mode="parallel"), 1),
+        "ort on a GPU": (gpu, 1),
+        "openvino, 3 streams": ({"backend": {"name": "openvino", "metadata": {"streams": 3}}}, 3),
+        "unknown backend": ({"backend": {"name": "xla"}}, 1),
+        "no manifest": ({}, 1),
+        "a broken claim": (ort_cpu("many"), 1),  # type: ignore[arg-type]
+    }
+    for label, (manifest, expected) in claims.items():
+        engine = Blocking(cnn, manifest)
+        assert engine_concurrency(engine) == expected, label
+        with ek.Batcher(engine) as batcher:
+            assert batcher.workers == expected, label
+            assert batcher.stats()["workers"] == expected
+    with ek.Batcher(Blocking(cnn, ort_cpu(1)), workers=1) as batcher:
+        assert batcher.workers == 1  # an explicit count wins
+
+
+def test_a_real_one_thread_build_gets_a_worker_per_core(onnx_model):
+    engine = ek.build(onnx_model("cnn"), shapes=CASES["cnn"].shapes, intra_op_threads=1)
+    try:
+        assert engine_concurrency(engine) == defaults.usable_cores()
+    finally:
+        engine.close()
+    engine = build(onnx_model, "cnn")
+    try:
+        assert engine_concurrency(engine) == 1  # ONNX Runtime's default: all cores in one call
+    finally:
+        engine.close()
+
+
+def test_a_request_arriving_during_a_call_runs_beside_it(cnn, monkeypatch):
+    monkeypatch.setattr(defaults, "usable_cores", lambda: 2)
+    engine = Blocking(cnn, ort_cpu(1))
+    x = rows(2)
+    x[0, 0, 0, 0] = BLOCK
+    with ek.Batcher(engine, max_delay_ms=1.0) as batcher:
+        assert batcher.workers == 2
+        first = batcher.submit(x[0])
+        assert engine.blocked.wait(10)
+        second = batcher.submit(x[1]).result(timeout=10)  # while the first is still inside
+        assert not first.done()
+        engine.gate.set()
+        first.result(timeout=10)
+    np.testing.assert_allclose(
+        second["output"], cnn.infer(x[1:2])["output"][0], rtol=1e-5, atol=1e-6
+    )
+
+
+def test_workers_must_be_auto_or_a_positive_count(cnn):
+    for bad in ("many", 0, 1.5):
+        with pytest.raises(ek.UsageError, match="workers"):
+            ek.Batcher(cnn, workers=bad)
