@@ -238,8 +238,6 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     import sys
 
     opts = parse_options(config.options)
-    if threads is not None:
-        opts = dataclasses.replace(opts, threads=threads)
     precision = config.precision.value
     why = _precision_support(precision)
     if why:
