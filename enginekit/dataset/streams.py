@@ -132,7 +132,7 @@ def choose_streams(
     """Measure one call at a time on the engine as loaded against one call per core.
 
     ``reload(threads)`` loads the artifact again with that many threads per call (None: the
-    engine's threading cannot change, so the engine itself is run concurrently). Each
+    engine's threading cannot change, and one stream is chosen without measuring). Each
     configuration is measured ``rounds`` times, alternating, and keeps its best (load from
     elsewhere hits them alike). Returns the choice and the engine reloaded for it (None when
     the engine as given is the one to use; else the caller owns and closes it).
@@ -140,9 +140,13 @@ def choose_streams(
     n = available or cores()
     if n < 2 or not sample:
         return StreamChoice(1, None, (), f"one stream: {n} core(s)"), None
-    threads = 1 if reload is not None else None
-    other = reload(1) if reload is not None else engine
-    configs = [(1, None, engine), (n, threads, other)]
+    if reload is None:
+        # Its threading was chosen by whoever loaded it (or cannot be set at load): calls on
+        # top of an engine that already spreads over every core would only oversubscribe them.
+        why = "one stream: the engine was given loaded (pass streams=N for N calls at once)"
+        return StreamChoice(1, None, (), why), None
+    other = reload(1)
+    configs = [(1, None, engine), (n, 1, other)]
     best: dict[int, float] = {}
     error: dict[int, str] = {}
     try:
@@ -168,7 +172,7 @@ def choose_streams(
         return StreamChoice(1, None, trials, "no configuration ran; one stream"), None
     pick = max((i for i in best if best[i] >= (1 - TOLERANCE) * top), key=lambda i: configs[i][0])
     streams, threads, chosen = configs[pick]
-    per = "the engine's own threading" if threads is None else f"{threads} thread(s) each"
+    per = "the artifact's own threading" if threads is None else f"{threads} thread(s) each"
     reason = (
         f"most streams within {TOLERANCE:.0%} of the best measured throughput ({top:.0f} "
         f"rows/s at batch {batch}, {n} cores): {streams} x {per}"
