@@ -340,7 +340,8 @@ def _run(
     if ray:
         streams, threads = 1, None
     elif streams == "auto":
-        sample = sample or sample_rows(src, 64)
+        # Sampled only to measure: an iterable source keeps what it peeks until replayed.
+        sample = sample or (sample_rows(src, 64) if reload is not None else {})
         stream_choice, alternate = choose_streams(engine, sample, size, reload)
         streams = stream_choice.streams
         threads = stream_choice.threads if alternate is not None else threads

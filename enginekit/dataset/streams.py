@@ -138,13 +138,13 @@ def choose_streams(
     the engine as given is the one to use; else the caller owns and closes it).
     """
     n = available or cores()
-    if n < 2 or not sample:
-        return StreamChoice(1, None, (), f"one stream: {n} core(s)"), None
     if reload is None:
         # Its threading was chosen by whoever loaded it (or cannot be set at load): calls on
         # top of an engine that already spreads over every core would only oversubscribe them.
         why = "one stream: the engine was given loaded (pass streams=N for N calls at once)"
         return StreamChoice(1, None, (), why), None
+    if n < 2 or not sample:
+        return StreamChoice(1, None, (), f"one stream: {n} core(s)"), None
     other = reload(1)
     configs = [(1, None, engine), (n, 1, other)]
     best: dict[int, float] = {}
