@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -222,18 +222,16 @@ def infer_dataset(
         threads = threads if threads is not None or not owned else previous.engine.get("threads")
     if owned and threads is None and isinstance(streams, int) and streams > 1:
         threads = threads_per_stream(streams)
-    engine = (
-        engine_or_artifact
-        if isinstance(engine_or_artifact, Engine)
-        else _load(engine_or_artifact, device, threads)
-    )
-    if owned and "threads" not in engine.load_options:
-        threads = None  # the backend cannot set threads at load: the artifact's own
-    reload = (
-        (lambda t: load(engine_or_artifact, device=device, threads=t))
-        if owned and _honours_threads(engine)
-        else None
-    )
+    reload: Callable[[int], Engine] | None = None
+    if isinstance(engine_or_artifact, Engine):
+        engine = engine_or_artifact
+    else:
+        path = engine_or_artifact
+        engine = _load(path, device, threads)
+        if "threads" not in engine.load_options:
+            threads = None  # the backend cannot set threads at load: the artifact's own
+        if _honours_threads(engine):
+            reload = lambda t: load(path, device=device, threads=t)  # noqa: E731
     try:
         src = open_source(
             source, engine.inputs, columns=columns, keep=keep, preprocess=preprocess,
