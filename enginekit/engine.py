@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import threading
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -74,11 +75,14 @@ class Engine:
         manifest: the artifact manifest this engine was loaded from (empty if none).
         artifact: the artifact it was loaded or built from (for tools that reopen its payload,
             such as ``enginekit profile``); None for an engine made another way.
+        load_options: what ``ek.load`` set instead of the build options (``threads``,
+            ``spinning``); empty when loaded as built.
     """
 
     # An enginekit.artifact.Artifact; typed Any because artifact.py sits beside this module and
     # imports model.py, which imports this one (no cycle, not even a type-only one).
     artifact: Any = None
+    load_options: Mapping[str, Any] = types.MappingProxyType({})
 
     def __init__(
         self,

@@ -37,6 +37,7 @@ from enginekit.errors import (
     BackendUnavailable,
     BuildError,
     UnknownBackend,
+    UsageError,
     did_you_mean,
 )
 from enginekit.quiet import native_stderr
@@ -226,14 +227,61 @@ def check_options(backend: Backend, options: Mapping[str, Any]) -> None:
         )
 
 
-def load(path: str | os.PathLike, device: str | None = None) -> Engine:
+#: Options ``load`` takes: name -> what it sets. A backend lists those it honours in its own
+#: ``LOAD_OPTIONS`` (a subset of these); the artifact's build options are the default.
+LOAD_OPTIONS = {
+    "threads": "threads one engine call uses (an integer >= 1; 0: the backend's default)",
+    "spinning": "idle threads spin waiting for work (true: lowest latency) or sleep (false: "
+    "leaves the cores to other work, e.g. a dataset job's reader and writer)",
+}
+
+
+def check_load_options(backend: Backend, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The load options that are set (not None), checked against what ``backend`` honours.
+
+    Raises:
+        UsageError: an option this backend cannot set at load, or a value of the wrong kind.
+    """
+    given = {k: v for k, v in options.items() if v is not None}
+    known = getattr(backend, "LOAD_OPTIONS", {})
+    for name, value in given.items():
+        if name not in known:
+            honoured = ", ".join(sorted(known)) or "none"
+            raise UsageError(
+                f"backend {backend.NAME!r} cannot set {name!r} at load (its load options: "
+                f"{honoured}); set it at build time instead (`enginekit build --help` lists the "
+                "backend's options), or drop it"
+            )
+        if name == "threads" and not (isinstance(value, int) and not isinstance(value, bool)
+                                      and value >= 0):  # fmt: skip
+            raise UsageError(f"threads must be an integer >= 0 (0: default), got {value!r}")
+        if name == "spinning" and not isinstance(value, bool):
+            raise UsageError(f"spinning must be true or false, got {value!r}")
+    return given
+
+
+def load(
+    path: str | os.PathLike,
+    device: str | None = None,
+    *,
+    threads: int | None = None,
+    spinning: bool | None = None,
+) -> Engine:
     """Load an engine artifact (``.ekit`` file or directory) and return its Engine.
 
     Checks the format version, every payload checksum, that the backend is installed, and that
     this host can run the artifact's target; no compilation happens here.
 
+    Args:
+        device: run on this device instead of the artifact's own.
+        threads: threads one engine call uses, instead of the artifact's build option (None:
+            the build's; see :data:`LOAD_OPTIONS`). The payload is the same: only the runtime's
+            threading changes.
+        spinning: whether idle engine threads spin (None: the build's).
+
     Raises:
         ArtifactError: what is wrong, and what to do (usually: rebuild from the source model).
+        UsageError: a load option the artifact's backend cannot set (its valid ones named).
     """
     artifact = open_artifact(path)
     manifest = artifact.manifest
@@ -249,8 +297,12 @@ def load(path: str | os.PathLike, device: str | None = None) -> Engine:
             f"{path}: built for a host with {'; '.join(problems)}. Rebuild it on this host: "
             f"{rebuild_command(manifest, str(path))}"
         )
+    overrides = check_load_options(be, {"threads": threads, "spinning": spinning})
     with native_stderr(f"loading {path} on {name}"):
-        engine = be.load(artifact, str(device))
+        # Only backends that honour load options are passed any: the Backend contract's
+        # ``load(artifact, device)`` stays valid for every plugin.
+        engine = be.load(artifact, str(device), **overrides)
     engine.manifest = manifest
     engine.artifact = artifact
+    engine.load_options = overrides
     return engine

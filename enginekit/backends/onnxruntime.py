@@ -63,6 +63,9 @@ OPTIONS = {
     "profile, precision and engine-cache options",
 }
 
+#: What ``ek.load`` may set instead of the build options (enginekit.backends.LOAD_OPTIONS).
+LOAD_OPTIONS = {"threads": "intra_op_threads", "spinning": "allow_spinning"}
+
 _PROVIDERS = {
     "cpu": "CPUExecutionProvider",
     "cuda": "CUDAExecutionProvider",
@@ -352,11 +355,23 @@ def _build_trt(
     )
 
 
-def load(artifact: Artifact, device: str) -> Engine:
-    """A session on the optimized payload; no graph optimization happens on load."""
+def load(
+    artifact: Artifact, device: str, threads: int | None = None, spinning: bool | None = None
+) -> Engine:
+    """A session on the optimized payload; no graph optimization happens on load.
+
+    Args:
+        threads: intra-op threads instead of the build's ``intra_op_threads`` (threading is a
+            session option: the payload does not depend on it).
+        spinning: instead of the build's ``allow_spinning``.
+    """
     ort = _ort()
     manifest = artifact.manifest
     options = dict(manifest["config"].get("options", {}))
+    if threads is not None:
+        options["intra_op_threads"] = threads
+    if spinning is not None:
+        options["allow_spinning"] = spinning
     providers = _providers(options, device)
     so = _session_options(options, "disable")
     trt, cache = None, None

@@ -44,6 +44,18 @@ def add(sub: Any) -> None:
     p.add_argument(
         "--max-memory", metavar="SIZE", help="memory budget for batches in flight, e.g. 4GiB"
     )
+    p.add_argument(
+        "--streams",
+        default="auto",
+        help="engine calls in flight at once, or 'auto' (default: one call on the engine as "
+        "built vs one per core, measured)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="threads per engine call, set at load (default: the artifact's own with one "
+        "stream, the cores split between streams otherwise)",
+    )
     p.add_argument("--shard-rows", type=int, help="rows per committed shard (default 16384)")
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue an interrupted run")
@@ -141,6 +153,12 @@ def cmd_infer(args: argparse.Namespace) -> int:
             batch = int(batch)
         except ValueError:
             raise UsageError(f"--batch-size {batch!r}: expected an integer or 'auto'") from None
+    streams: Any = args.streams
+    if streams != "auto":
+        try:
+            streams = int(streams)
+        except ValueError:
+            raise UsageError(f"--streams {streams!r}: expected an integer or 'auto'") from None
     summary = infer_dataset(
         args.artifact,
         args.source,
@@ -162,6 +180,8 @@ def cmd_infer(args: argparse.Namespace) -> int:
         progress=False if args.no_progress or args.json == "-" else None,
         ray=args.ray,
         device=args.device,
+        streams=streams,
+        threads=args.threads,
     )
     s = summary
     lines = [
@@ -175,6 +195,12 @@ def cmd_infer(args: argparse.Namespace) -> int:
     ]
     if s.ray:
         lines.append(f"engine ran on Ray ({s.ray})")
+    else:
+        per = f"{s.threads} thread(s) each" if s.threads else "the artifact's threading"
+        lines.append(
+            f"{s.streams} engine call(s) in flight, {per}"
+            + (f": {s.stream_choice.reason}" if s.stream_choice else "")
+        )
     if s.rows_inferred:
         lines.append(s.stages.describe())
     report(args, s.to_json(), "\n".join(lines))

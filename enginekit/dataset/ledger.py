@@ -39,6 +39,9 @@ class Ledger:
     settings: dict[str, Any]
     shards: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     complete: bool = False
+    #: How the engine ran: ``streams`` and ``threads`` per call (a resume reuses them, as it
+    #: reuses the batch size: a runtime's results may depend on its threading in the last bit).
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def read(cls, output: Path) -> Ledger | None:
@@ -59,6 +62,7 @@ class Ledger:
                 dict(data["settings"]),
                 list(data["shards"]),
                 bool(data["complete"]),
+                dict(data.get("engine", {})),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise DatasetError(
@@ -112,6 +116,7 @@ class Ledger:
             "settings": self.settings,
             "shards": self.shards,
             "complete": self.complete,
+            "engine": self.engine,
         }
         with atomic_write(self.path, "w") as f:
             json.dump(data, f, indent=1)

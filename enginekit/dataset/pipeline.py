@@ -14,6 +14,8 @@ engine even when the engine never waits: ``read_cpu`` and ``write_cpu`` show how
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import queue
 import threading
@@ -178,8 +180,14 @@ def _infer(engine: Engine, inputs: dict[str, np.ndarray], state: State) -> dict[
 def run_local(
     engine: Engine, src: Source, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
     size: int, shard_rows: int, start: int, prefetch: int, bar: Progress, state: State,
+    streams: int = 1,
 ) -> int:  # fmt: skip
-    """Rows from ``start`` through the engine into committed shards; returns the rows inferred."""
+    """Rows from ``start`` through the engine into committed shards; returns the rows inferred.
+
+    ``streams`` > 1 keeps that many engine calls in flight on worker threads (the engine is
+    thread-safe); results still reach the writer in the source's order, so shards, the ledger
+    and resume are exactly as with one stream.
+    """
     inbox: queue.Queue = queue.Queue(prefetch)
     # The writer's items hold outputs and ids, not the inputs (dropped below). Room for a whole
     # shard's batches: while the writer writes and fsyncs one shard, the engine goes on with
@@ -211,29 +219,57 @@ def run_local(
     writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state)
     rows = batches = 0
     first = infer = wait_input = wait_output = 0.0
+    pool = (
+        concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="enginekit-stream")
+        if streams > 1
+        else None
+    )
+    # Calls in flight, oldest first: (batch without its inputs, its outputs' future).
+    flight: collections.deque[tuple[Batch, Any]] = collections.deque()
     try:
-        while True:
+        ended = False
+        while not ended or flight:
             t0 = time.perf_counter()
-            batch = _get(inbox, state)
-            t1 = time.perf_counter()
-            if batches:
-                wait_input += t1 - t0
-            else:
-                first = t1 - began
-            if batch is _END:
-                break
-            outputs = _infer(engine, batch.piece.inputs, state)
+            batch = _END
+            if not ended and len(flight) < streams:
+                batch = _get(inbox, state)
+                t1 = time.perf_counter()
+                if batches:
+                    wait_input += t1 - t0
+                else:
+                    first = t1 - began
+                if batch is _END:
+                    ended = True
+                else:
+                    batches += 1
+                    rows += batch.piece.rows
+                    piece = batch.piece
+                    done = Batch(batch.shard, batch.last, Piece(piece.ids, {}, piece.rows))
+                    if pool is None:
+                        outputs = _infer(engine, piece.inputs, state)
+                        flight.append((done, outputs))
+                    else:
+                        flight.append((done, pool.submit(_infer, engine, piece.inputs, state)))
+                    t0 = time.perf_counter()
+                    infer += t0 - t1 if pool is None else 0.0
+                if len(flight) < streams and not ended:
+                    continue  # fill every stream before waiting on the oldest
+            if not flight:
+                continue
+            done, outputs = flight.popleft()
+            if pool is not None:
+                outputs = outputs.result()
             t2 = time.perf_counter()
-            infer += t2 - t1
-            batches += 1
-            rows += batch.piece.rows
-            done = Batch(batch.shard, batch.last, Piece(batch.piece.ids, {}, batch.piece.rows))
+            infer += t2 - t0 if pool is not None else 0.0
             if not _put(outbox, (done, outputs), state):
                 break
             wait_output += time.perf_counter() - t2
     except BaseException as exc:
         state.error = state.error or exc
         state.stop.set()
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     state.times.append(
         StageTimes(
             infer=infer,

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,12 @@ from enginekit.dataset.progress import Progress
 from enginekit.dataset.resolve import open_source
 from enginekit.dataset.sinks import check_format, remove_outputs
 from enginekit.dataset.sources import IterableSource, Source
+from enginekit.dataset.streams import (
+    StreamChoice,
+    check_streams,
+    choose_streams,
+    threads_per_stream,
+)
 from enginekit.engine import Engine
 from enginekit.errors import DatasetError, UsageError
 
@@ -54,6 +60,9 @@ class InferSummary:
     resumed: bool
     ray: str | None = None
     stages: StageTimes = dataclasses.field(default_factory=StageTimes)
+    streams: int = 1  # engine calls in flight
+    threads: int | None = None  # threads per call set at load (None: the artifact's own)
+    stream_choice: StreamChoice | None = None
 
     @property
     def bottleneck(self) -> str:
@@ -63,6 +72,7 @@ class InferSummary:
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["batch_choice"] = self.batch_choice.to_json() if self.batch_choice else None
+        out["stream_choice"] = self.stream_choice.to_json() if self.stream_choice else None
         out["stages"] = self.stages.to_json()
         out["bottleneck"] = self.bottleneck
         return out
@@ -137,6 +147,8 @@ def infer_dataset(
     progress: bool | None = None,
     ray: str | bool | None = None,
     device: str | None = None,
+    streams: int | str = "auto",
+    threads: int | None = None,
 ) -> InferSummary:
     """Run every row of ``source`` through an engine and write the outputs as shards to ``output``.
 
@@ -171,6 +183,12 @@ def infer_dataset(
         ray: run the engine on a Ray cluster (True: local or ``RAY_ADDRESS``; or an address)
             through :func:`enginekit.dataset.ray.map_engine`; Parquet sources only.
         device: load the artifact on this device instead of its own.
+        streams: engine calls in flight at once, or ``"auto"``: one call at a time on the
+            engine as built against one call per core, measured on rows of the source (see
+            :func:`enginekit.dataset.streams.choose_streams`); recorded in the summary.
+        threads: threads per engine call, set when the artifact is loaded (``ek.load(path,
+            threads=...)``); default: the artifact's own with one stream, the cores split
+            evenly between streams otherwise. Needs an artifact path, not an Engine.
 
     Returns:
         an :class:`InferSummary`.
@@ -188,15 +206,32 @@ def infer_dataset(
         raise UsageError(f"batch_size must be an integer >= 1 or 'auto', got {batch_size!r}")
     if shard_rows is not None and not (isinstance(shard_rows, int) and shard_rows >= 1):
         raise UsageError(f"shard_rows must be an integer >= 1, got {shard_rows!r}")
+    check_streams(streams)
+    if threads is not None and isinstance(engine_or_artifact, Engine):
+        raise UsageError(
+            "threads is set when infer_dataset loads the artifact: pass the artifact's path, "
+            "or load it yourself with ek.load(path, threads=...)"
+        )
     budget = parse_memory(max_memory)
     out = Path(output)
     previous = _prepare_output(out, resume, overwrite)
     owned = not isinstance(engine_or_artifact, Engine)
-    engine = (
-        engine_or_artifact
-        if isinstance(engine_or_artifact, Engine)
-        else load(engine_or_artifact, device=device)
-    )
+    if previous is not None and previous.engine:
+        # A resume runs the engine as the interrupted run did (see Ledger.engine).
+        streams = int(previous.engine.get("streams", 1)) if streams == "auto" else streams
+        threads = threads if threads is not None or not owned else previous.engine.get("threads")
+    if owned and threads is None and isinstance(streams, int) and streams > 1:
+        threads = threads_per_stream(streams)
+    reload: Callable[[int], Engine] | None = None
+    if isinstance(engine_or_artifact, Engine):
+        engine = engine_or_artifact
+    else:
+        path = engine_or_artifact
+        engine = _load(path, device, threads)
+        if "threads" not in engine.load_options:
+            threads = None  # the backend cannot set threads at load: the artifact's own
+        if _honours_threads(engine):
+            reload = lambda t: load(path, device=device, threads=t)  # noqa: E731
     try:
         src = open_source(
             source, engine.inputs, columns=columns, keep=keep, preprocess=preprocess,
@@ -205,13 +240,35 @@ def infer_dataset(
         try:
             return _run(
                 engine, engine_or_artifact, src, out, previous, batch_size, format, tensor_format,
-                shard_rows, budget, prefetch, progress, ray, keep,
+                shard_rows, budget, prefetch, progress, ray, keep, streams, threads, reload,
             )  # fmt: skip
         finally:
             src.close()
     finally:
         if owned:
             engine.close()
+
+
+def _load(path: Any, device: str | None, threads: int | None) -> Engine:
+    """The artifact loaded with ``threads`` per call where its backend can set that."""
+    from enginekit.backends import load
+
+    if threads is None:
+        return load(path, device=device)
+    try:
+        return load(path, device=device, threads=threads)
+    except UsageError:
+        return load(path, device=device)  # not a load option of this backend
+
+
+def _honours_threads(engine: Engine) -> bool:
+    from enginekit import backends
+
+    name = engine.manifest.get("backend", {}).get("name")
+    try:
+        return "threads" in getattr(backends.get(str(name)), "LOAD_OPTIONS", {})
+    except Exception:
+        return False
 
 
 def _run(
@@ -229,6 +286,9 @@ def _run(
     progress: bool | None,
     ray: str | bool | None,
     keep: Sequence[str] | None,
+    streams: int | str = 1,
+    threads: int | None = None,
+    reload: Any = None,
 ) -> InferSummary:
     start_time = time.perf_counter()
     model = ledger_mod.model_checksum(engine.manifest)
@@ -239,6 +299,7 @@ def _run(
         "keep": list(keep) if keep is not None else None,
     }
     choice: BatchChoice | None = None
+    sample: dict[str, np.ndarray] = {}
     if previous is not None:
         previous.check(model, src.fingerprint, settings)
         size, rows_per_shard = previous.batch_size, previous.shard_rows
@@ -272,6 +333,20 @@ def _run(
             out, fmt, src, led, 0, start, skipped_shards, size, choice, State(), start_time,
             previous, ray,
         )  # fmt: skip
+    stream_choice: StreamChoice | None = None
+    alternate: Engine | None = None
+    if ray:
+        streams, threads = 1, None
+    elif streams == "auto":
+        # Sampled only to measure: an iterable source keeps what it peeks until replayed.
+        sample = sample or (sample_rows(src, 64) if reload is not None else {})
+        stream_choice, alternate = choose_streams(engine, sample, size, reload)
+        streams = stream_choice.streams
+        threads = stream_choice.threads if alternate is not None else threads
+    n_streams = int(streams)
+    if not ray and led.engine != {"streams": n_streams, "threads": threads}:
+        led.engine = {"streams": n_streams, "threads": threads}
+        led.save()
     bar = Progress(src.rows, start, progress)
     state = State()
     try:
@@ -282,16 +357,21 @@ def _run(
             inferred = write_all(results, led, out, fmt, tensor_format, bar, state, prefetch)
         else:
             inferred = run_local(
-                engine, src, led, out, fmt, tensor_format, size, rows_per_shard, start,
-                prefetch, bar, state,
+                alternate or engine, src, led, out, fmt, tensor_format, size, rows_per_shard,
+                start, prefetch, bar, state, n_streams,
             )  # fmt: skip
     finally:
         bar.close()
+        if alternate is not None:
+            alternate.close()
     led.finish()
-    return _summary(
+    summary = _summary(
         out, fmt, src, led, inferred, start, skipped_shards, size, choice, state, start_time,
         previous, ray,
     )  # fmt: skip
+    return dataclasses.replace(
+        summary, streams=n_streams, threads=threads, stream_choice=stream_choice
+    )
 
 
 def _summary(

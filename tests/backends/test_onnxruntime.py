@@ -105,3 +105,28 @@ def test_unsupported_op_is_a_build_error(tmp_path):
     with pytest.raises(ek.EnginekitError, match="NoSuchOp"):
         ek.build(model, output=tmp_path / "x.ekit")
     assert not any(tmp_path.iterdir())
+
+
+def test_load_sets_threads_and_spinning_over_the_build_options(mlp_path, tmp_path):
+    key = "session.intra_op.allow_spinning"
+    ek.build(mlp_path, output=tmp_path / "m.ekit", intra_op_threads=2).close()
+    with ek.load(tmp_path / "m.ekit", threads=1, spinning=False) as engine:
+        options = engine.session.get_session_options()
+        assert options.intra_op_num_threads == 1
+        assert options.get_session_config_entry(key) == "0"
+        assert engine.load_options == {"threads": 1, "spinning": False}
+        # The artifact is unchanged: its manifest still records the build's threads.
+        assert engine.manifest["config"]["options"] == {"intra_op_threads": 2}
+    with ek.load(tmp_path / "m.ekit") as engine:  # nothing set: the build's options
+        assert engine.session.get_session_options().intra_op_num_threads == 2
+        assert engine.load_options == {}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"threads": -1}, "threads must be an integer >= 0"), ({"spinning": "no"}, "spinning must")],
+)
+def test_bad_load_options_are_refused(mlp_path, tmp_path, options, message):
+    ek.build(mlp_path, output=tmp_path / "m.ekit").close()
+    with pytest.raises(ek.UsageError, match=message):
+        ek.load(tmp_path / "m.ekit", **options)

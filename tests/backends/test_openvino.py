@@ -202,3 +202,13 @@ def test_infer_async_runs_on_openvinos_queue_and_matches_infer(cnn_artifact):
     with pytest.raises(ek.EngineInputError, match="dtype"):
         engine.infer_async(big["x"].astype(np.float64))
     engine.close()
+
+
+def test_load_sets_threads_and_refuses_spinning_naming_its_load_options(cnn_artifact):
+    with ek.load(cnn_artifact, threads=1) as engine:
+        assert engine.compiled_from == "blob"
+        assert int(engine.compiled.get_property("INFERENCE_NUM_THREADS")) == 1
+    with pytest.raises(
+        ek.UsageError, match=r"cannot set 'spinning' at load \(its load options: threads\)"
+    ):
+        ek.load(cnn_artifact, spinning=False)

@@ -187,3 +187,26 @@ def test_existing_output_needs_resume_or_overwrite(cnn, tmp_path):
     with pytest.raises(UsageError, match="notes.txt"):
         ek.infer_dataset(cnn, tmp_path / "x.npy", tmp_path / "out", batch_size=2, overwrite=True)
     assert (tmp_path / "out" / "notes.txt").exists()
+
+
+@pytest.mark.parametrize(
+    "prep",
+    [
+        ek.ImagePreprocess(resize=20, crop=16, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3)),
+        ek.ImagePreprocess(resize=(12, 10), layout="NHWC", dtype="uint8"),
+        ek.ImagePreprocess(resize=16, crop=16, mode="L"),
+    ],
+)
+def test_a_batch_decodes_to_the_same_values_as_its_images_one_by_one(tmp_path, prep):
+    from PIL import Image
+
+    from enginekit.dataset.images import decode_many
+
+    rng = np.random.default_rng(1)
+    paths = []
+    for i in range(5):
+        paths.append(str(tmp_path / f"{i}.png"))
+        Image.fromarray(rng.integers(0, 256, (20 + i, 24, 3), dtype=np.uint8)).save(paths[-1])
+    batch = decode_many(prep, paths)
+    np.testing.assert_array_equal(batch, np.stack([prep(p) for p in paths]))
+    assert batch.dtype == np.dtype(prep.dtype) and batch.flags.c_contiguous

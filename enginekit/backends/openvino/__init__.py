@@ -53,6 +53,9 @@ OPTIONS = {
     "'ir' (the IR only, compiled on every load)",
 }
 
+#: What ``ek.load`` may set instead of the build options (enginekit.backends.LOAD_OPTIONS).
+LOAD_OPTIONS = {"threads": "threads"}
+
 _HINTS = ("latency", "throughput")
 _EXPORTS = ("compiled", "ir")
 #: ISA flags under which the CPU plugin computes in each reduced float type (else it falls back).
@@ -342,11 +345,15 @@ def blob_problem(manifest: Mapping[str, Any]) -> str | None:
     return None
 
 
-def load(artifact: Artifact, device: str, profiling: bool = False) -> OvEngine:
+def load(
+    artifact: Artifact, device: str, profiling: bool = False, threads: int | None = None
+) -> OvEngine:
     """Import the compiled blob when it was made for this OpenVINO and CPU, else compile the IR.
 
     Args:
         profiling: compile with per-node performance counters on (``enginekit profile``).
+        threads: inference threads instead of the build's ``threads`` option (a compile
+            property, also honoured when the blob is imported).
     """
     from enginekit.backends.openvino.runtime import OvEngine
     from enginekit.config import BuildConfig
@@ -355,6 +362,8 @@ def load(artifact: Artifact, device: str, profiling: bool = False) -> OvEngine:
     manifest = artifact.manifest
     config = BuildConfig.from_json(manifest["config"])
     opts = parse_options(config.options)
+    if threads is not None:
+        opts = dataclasses.replace(opts, threads=threads)
     precision = config.precision.value
     why = _precision_support(precision)
     if why:

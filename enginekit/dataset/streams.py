@@ -1,0 +1,184 @@
+"""``streams``: concurrent engine calls in a dataset job, and the measured choice of ``"auto"``.
+
+One engine call that spreads over every core loses the whole call whenever a reader or writer
+thread takes one of those cores (the other threads of a parallel operator wait for the
+straggler), and its idle threads spin on the cores the reader needs. Several calls in flight,
+each on fewer threads (``threads`` at load, :func:`enginekit.load`), share the cores without
+that barrier. Which configuration is faster depends on the model and the host, so ``"auto"``
+measures them on rows of the real data, as ``batch_size="auto"`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from enginekit.engine import Engine
+from enginekit.errors import UsageError
+
+#: More streams within this fraction of the best measured throughput win: the search runs the
+#: engine alone, and in a job independent calls tolerate the reader's and writer's CPU better.
+TOLERANCE = 0.05
+#: The most streams a job runs (a bound on threads and on batches in flight).
+MAX_STREAMS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamTrial:
+    """One measured configuration: ``streams`` concurrent calls of ``threads`` threads each
+    (None: the engine's own threading)."""
+
+    streams: int
+    threads: int | None
+    rows_per_s: float | None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamChoice:
+    """The chosen streams and threads per call, and how they were chosen."""
+
+    streams: int
+    threads: int | None
+    trials: tuple[StreamTrial, ...]
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "streams": self.streams,
+            "threads": self.threads,
+            "reason": self.reason,
+            "trials": [t.to_json() for t in self.trials],
+        }
+
+
+def cores() -> int:
+    """CPUs this process may run on (its affinity; the CPU count where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_streams(streams: int | str) -> None:
+    """Refuse anything but ``"auto"`` or an integer in 1..MAX_STREAMS."""
+    ok = streams == "auto" or (
+        isinstance(streams, int) and not isinstance(streams, bool) and 1 <= streams <= MAX_STREAMS
+    )
+    if not ok:
+        raise UsageError(
+            f"streams must be 'auto' or an integer in 1..{MAX_STREAMS}, got {streams!r}"
+        )
+
+
+def threads_per_stream(streams: int, available: int | None = None) -> int:
+    """Threads each of ``streams`` concurrent calls gets when the cores are split evenly."""
+    return max(1, (available or cores()) // streams)
+
+
+def rate(engine: Engine, sample: Mapping[str, np.ndarray], batch: int, streams: int,
+         seconds: float) -> float:  # fmt: skip
+    """Rows/s of ``streams`` threads calling the engine on ``batch`` rows for ``seconds``."""
+    feeds = {k: _tile(v, batch) for k, v in sample.items()}
+    engine.infer(feeds)  # warm: first-call allocations are not throughput
+    calls = [0] * streams
+    errors: list[BaseException] = []
+    stop = time.perf_counter() + seconds
+
+    def loop(i: int) -> None:
+        try:
+            while time.perf_counter() < stop:
+                engine.infer(feeds)
+                calls[i] += 1
+        except BaseException as exc:  # reported by the caller, not lost in a thread
+            errors.append(exc)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return sum(calls) * batch / elapsed
+
+
+def _tile(a: np.ndarray, rows: int) -> np.ndarray:
+    reps = -(-rows // max(len(a), 1))
+    return np.ascontiguousarray(np.concatenate([a] * reps)[:rows] if reps > 1 else a[:rows])
+
+
+def choose_streams(
+    engine: Engine,
+    sample: Mapping[str, np.ndarray],
+    batch: int,
+    reload: Callable[[int], Engine] | None,
+    *,
+    available: int | None = None,
+    seconds: float = 0.12,
+    rounds: int = 2,
+) -> tuple[StreamChoice, Engine | None]:
+    """Measure one call at a time on the engine as loaded against one call per core.
+
+    ``reload(threads)`` loads the artifact again with that many threads per call (None: the
+    engine's threading cannot change, and one stream is chosen without measuring). Each
+    configuration is measured ``rounds`` times, alternating, and keeps its best (load from
+    elsewhere hits them alike). Returns the choice and the engine reloaded for it (None when
+    the engine as given is the one to use; else the caller owns and closes it).
+    """
+    n = available or cores()
+    if reload is None:
+        # Its threading was chosen by whoever loaded it (or cannot be set at load): calls on
+        # top of an engine that already spreads over every core would only oversubscribe them.
+        why = "one stream: the engine was given loaded (pass streams=N for N calls at once)"
+        return StreamChoice(1, None, (), why), None
+    if n < 2 or not sample:
+        return StreamChoice(1, None, (), f"one stream: {n} core(s)"), None
+    other = reload(1)
+    configs = [(1, None, engine), (n, 1, other)]
+    best: dict[int, float] = {}
+    error: dict[int, str] = {}
+    try:
+        for _ in range(rounds):
+            for i, (streams, _t, e) in enumerate(configs):
+                if i in error:
+                    continue
+                try:
+                    best[i] = max(best.get(i, 0.0), rate(e, sample, batch, streams, seconds))
+                except Exception as exc:
+                    error[i] = f"{type(exc).__name__}: {exc}"
+    except BaseException:
+        if other is not engine:
+            other.close()
+        raise
+    trials = tuple(
+        StreamTrial(s, t, best.get(i), error.get(i)) for i, (s, t, _e) in enumerate(configs)
+    )
+    top = max(best.values(), default=0.0)
+    if top <= 0.0:
+        if other is not engine:
+            other.close()
+        return StreamChoice(1, None, trials, "no configuration ran; one stream"), None
+    pick = max((i for i in best if best[i] >= (1 - TOLERANCE) * top), key=lambda i: configs[i][0])
+    streams, threads, chosen = configs[pick]
+    per = "the artifact's own threading" if threads is None else f"{threads} thread(s) each"
+    reason = (
+        f"most streams within {TOLERANCE:.0%} of the best measured throughput ({top:.0f} "
+        f"rows/s at batch {batch}, {n} cores): {streams} x {per}"
+    )
+    if chosen is not other and other is not engine:
+        other.close()
+    return StreamChoice(streams, threads, trials, reason), (
+        chosen if chosen is not engine else None
+    )

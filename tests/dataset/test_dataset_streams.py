@@ -1,0 +1,98 @@
+"""Several engine calls in flight (``streams``): the same rows in the same order as one stream;
+``"auto"`` measures and records its choice; a resume runs the engine as the first run did."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from dataset_helpers import cnn_rows, naive, read_output
+
+import enginekit as ek
+
+pytest.importorskip("pyarrow", reason="the dataset jobs read and write Arrow/Parquet")
+from enginekit.dataset import ledger as ledger_mod
+from enginekit.dataset.streams import choose_streams
+from enginekit.errors import UsageError
+
+
+def test_streams_keep_the_source_order_row_for_row(ekit, tmp_path):
+    x = cnn_rows(45)  # not a multiple of the batch or the shard
+    np.save(tmp_path / "x.npy", x)
+    with ek.load(ekit("cnn"), threads=1) as engine:
+        s = ek.infer_dataset(
+            engine, tmp_path / "x.npy", tmp_path / "out", 4, shard_rows=12, streams=3
+        )
+        ref = naive(engine, {"x": x}, 4)
+    assert (s.streams, s.rows, s.shards) == (3, 45, 4)
+    got = read_output(tmp_path / "out")
+    assert got["row"].tolist() == list(range(45))
+    np.testing.assert_array_equal(got["output"], ref["output"])
+
+
+def test_auto_from_an_artifact_measures_both_and_records_the_choice(ekit, tmp_path):
+    np.save(tmp_path / "x.npy", cnn_rows(24))
+    s = ek.infer_dataset(ekit("cnn"), tmp_path / "x.npy", tmp_path / "out", 4, progress=False)
+    choice = s.stream_choice
+    assert choice is not None and s.streams == choice.streams
+    assert (choice.trials[0].streams, choice.trials[0].threads) == (1, None)
+    if choice.trials[1:]:  # a host with one core measures nothing
+        assert choice.trials[1].threads == 1 and choice.trials[1].rows_per_s > 0
+    assert s.to_json()["stream_choice"]["streams"] == s.streams
+    ledger = json.loads((tmp_path / "out" / ledger_mod.NAME).read_text())
+    assert ledger["engine"] == {"streams": s.streams, "threads": s.threads}
+
+
+def test_auto_on_a_given_engine_keeps_one_stream_without_measuring(ekit, tmp_path):
+    np.save(tmp_path / "x.npy", cnn_rows(8))
+    with ek.load(ekit("cnn")) as engine:
+        s = ek.infer_dataset(engine, tmp_path / "x.npy", tmp_path / "out", 4)
+    assert s.streams == 1 and s.stream_choice is not None and s.stream_choice.trials == ()
+
+
+def test_choice_prefers_more_streams_within_tolerance(ekit, monkeypatch):
+    from enginekit.dataset import streams as mod
+
+    rates = {1: 100.0, 2: 97.0}  # two streams 3% slower: within 5%, chosen
+    monkeypatch.setattr(mod, "rate", lambda e, s, b, n, sec: rates[n])
+    with ek.load(ekit("cnn")) as engine:
+        other = ek.load(ekit("cnn"), threads=1)
+        choice, chosen = choose_streams(engine, {"x": cnn_rows(4)}, 4, lambda t: other, available=2)
+        assert (choice.streams, choice.threads, chosen) == (2, 1, other)
+        rates[2] = 80.0
+        choice, chosen = choose_streams(engine, {"x": cnn_rows(4)}, 4, lambda t: other, available=2)
+        assert (choice.streams, chosen) == (1, None)
+
+
+def test_resume_reuses_the_streams_and_threads_of_the_first_run(ekit, tmp_path):
+    np.save(tmp_path / "x.npy", cnn_rows(16))
+    out = tmp_path / "out"
+    ek.infer_dataset(ekit("cnn"), tmp_path / "x.npy", out, 4, shard_rows=4, streams=2, threads=1)
+    ledger = ledger_mod.Ledger.read(out)
+    assert ledger is not None and ledger.engine == {"streams": 2, "threads": 1}
+    ledger.shards, ledger.complete = ledger.shards[:1], False  # as if killed after one shard
+    ledger.save()
+    s = ek.infer_dataset(ekit("cnn"), tmp_path / "x.npy", out, resume=True)
+    assert (s.streams, s.threads, s.shards_skipped, s.rows) == (2, 1, 1, 16)
+    assert s.stream_choice is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"streams": 0}, "streams must be 'auto' or an integer"),
+        ({"streams": "many"}, "streams must be 'auto' or an integer"),
+    ],
+)
+def test_bad_streams_are_refused(ekit, tmp_path, kwargs, message):
+    np.save(tmp_path / "x.npy", cnn_rows(4))
+    with pytest.raises(UsageError, match=message):
+        ek.infer_dataset(ekit("cnn"), tmp_path / "x.npy", tmp_path / "out", **kwargs)
+
+
+def test_threads_with_a_loaded_engine_is_refused(ekit, tmp_path):
+    np.save(tmp_path / "x.npy", cnn_rows(4))
+    with ek.load(ekit("cnn")) as engine:
+        with pytest.raises(UsageError, match="threads is set when infer_dataset loads"):
+            ek.infer_dataset(engine, tmp_path / "x.npy", tmp_path / "out", threads=1)
