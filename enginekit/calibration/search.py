@@ -39,6 +39,7 @@ import onnx
 from enginekit import target as host_target
 from enginekit.calibration.accuracy import ort_runner
 from enginekit.calibration.bias import correct_bias
+from enginekit.calibration.cost import layer_macs, plan_cost
 from enginekit.calibration.fallback import keep_float, quantized_nodes
 from enginekit.calibration.rounding import preserve_sums
 from enginekit.calibration.table import CalibrationTable
@@ -267,11 +268,13 @@ class Plan:
     seconds: float
     met: bool
     float_seconds: float  # the float model, timed alternately with this plan
+    float_share: float = 0.0  # share of the quantized layers' MACs run in float (cost.py)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "method": self.method,
             "float_layers": len(self.kept),
+            "float_macs_share": self.float_share,
             "top1_agreement": self.metrics["top1_agreement"],
             "top1_interval": self.metrics.get("top1_interval"),
             "rows": self.metrics.get("rows"),
@@ -369,12 +372,14 @@ def search(
     timing = rows[0]
     float_run = runner(source)
     plans: list[Plan] = []
+    costs: dict[str, float] = {}  # MACs of each quantized layer, once the base is chosen
 
     def evaluate(method: str, proto: onnx.ModelProto, kept: Sequence[str]) -> Plan:
         run = runner(proto)
         metrics = measure(_run(run, rows), reference)
         fp32, seconds = _paired_seconds(float_run, run, timing)
-        plan = Plan(method, tuple(kept), metrics, seconds, target.met(metrics), fp32)
+        share = plan_cost(costs, kept)
+        plan = Plan(method, tuple(kept), metrics, seconds, target.met(metrics), fp32, share)
         plans.append(plan)
         log.info(
             "plan %s, %d layers in float: %s, %.2fx fp32",
@@ -415,16 +420,18 @@ def search(
     chosen = best if best.met else None
     if chosen is None and layers:
         sensitivity = _sensitivity(source, base, layers, rows, runner)
-        chosen = _fallback_search(
-            source, base, method, [n for n, _ in sensitivity], target, evaluate
-        )
+        costs.update(layer_macs(source, layers))
+        for order in _orders(sensitivity, costs):
+            found = _fallback_search(source, base, method, order, target, evaluate)
+            chosen = chosen or found
     if chosen is None:  # nothing to keep in float: report the best measured
         chosen = best
-    # Fewest layers in float is the fastest plan (timings of plans with the same int8 layers
-    # differ by noise only); among those, the most accurate.
+    # The fastest plan meeting the target: the least arithmetic in float (where the float
+    # layers are matters more than how many, see cost.py; timings of plans differ by noise on
+    # a loaded machine, MACs do not), then the fewest layers, then the most accurate.
     fastest = min(
         (p for p in plans if p.met),
-        key=lambda p: (len(p.kept), -_score(p)[0], -_score(p)[1]),
+        key=lambda p: (round(p.float_share, 9), len(p.kept), -_score(p)[0], -_score(p)[1]),
         default=chosen,
     )
     model = bases[fastest.method] if not fastest.kept else keep_float(base, source, fastest.kept)
@@ -482,6 +489,19 @@ def _sensitivity(
         alone = keep_float(base, source, [n for n in layers if n != name])
         out.append((name, measure(_run(runner(alone), sample), reference)["nmse"]))
     return sorted(out, key=lambda item: -item[1])
+
+
+def _orders(
+    sensitivity: Sequence[tuple[str, float]], costs: Mapping[str, float]
+) -> list[list[str]]:
+    """The orders in which layers are kept in float: most sensitive first, and most
+    sensitive per MAC first (a cheap late layer before a costly early one of the same error),
+    the second only where it differs."""
+    by_error = [n for n, _ in sensitivity]
+    floor = max(sum(costs.values()), 1.0) * 1e-6  # a layer of no MACs still costs something
+    ratio = {n: error / max(costs.get(n, 0.0), floor) for n, error in sensitivity}
+    by_ratio = sorted(by_error, key=lambda n: -ratio[n])
+    return [by_error] if by_ratio == by_error else [by_error, by_ratio]
 
 
 def _fallback_search(

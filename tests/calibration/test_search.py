@@ -82,6 +82,9 @@ def test_search_keeps_the_sensitive_layer_in_float_to_meet_the_target(data):
         assert p["speedup_vs_fp32"] == pytest.approx(p["float_seconds"] / p["seconds"])
     assert len({p["float_seconds"] for p in plans}) == len(plans)
     assert found["chosen"]["float_layers"] == 1
+    # fc2 (8 -> 6) is 48 of the 112 MACs a row; the all-int8 plans run none in float
+    assert found["chosen"]["float_macs_share"] == pytest.approx(48 / 112)
+    assert {p["float_macs_share"] for p in plans[:-1]} == {0.0}
     # the target is also the build's gate, checked on the engine itself
     verify = engine.manifest["verify"]
     assert verify["gates"]["min_top1_agreement"] == 0.97
