@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 #: Samples held out of ``calib_data`` for verification: every 10th, at most 512.
 HOLDOUT_EVERY = 10
 HOLDOUT_CAP = 512
+#: With an accuracy target, at least this many samples are held out (every 2nd of the first
+#: ``2 * n``, then every 10th): plans are chosen on them, and 30 rows (every 10th of 300)
+#: cannot tell 97% from 100%.
+SEARCH_MIN_ROWS = 150
 VERIFY_CAP = 1024
 
 
@@ -57,7 +61,8 @@ class Quantization:
     Attributes:
         calibration: a CalibrationTable or the path of its JSON.
         calib_data: calibration data to calibrate on the fly (any source ``calibrate`` takes);
-            every 10th sample is held out for verification.
+            every 10th sample is held out for verification (with ``target``, every 2nd of the
+            first 300, then every 10th: at least 150 rows to choose a plan on).
         calib_method: method for ``calib_data``: entropy, percentile or minmax.
         verify_data: data to verify on (instead of the held-out samples).
         gates: accuracy gates checked on the verification data.
@@ -142,7 +147,7 @@ def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -
         if q.calibration is not None or q.calib_data is not None:
             log.warning("the model already carries Q/DQ nodes; its own scales are used")
         return Quantized(model, entry={"source": "model (Q/DQ nodes already present)"})
-    held = Holdout(HOLDOUT_EVERY, HOLDOUT_CAP)
+    held = Holdout(HOLDOUT_EVERY, HOLDOUT_CAP, SEARCH_MIN_ROWS if q.target is not None else 0)
     equalized: dict[str, Any] | None = None
     if q.target is not None and q.target.equalize:
         model, equalized = _equalize(model, q)
@@ -277,7 +282,10 @@ def verify(
     elif quantized.held_out:
         # Through batches(): held-out rows are re-cut to a fixed-batch model's batch.
         data = batches(quantized.held_out, model.inputs, DEFAULT_BATCH, None, _profile(config))
-        label = f"held-out calibration samples (every {HOLDOUT_EVERY}th)"
+        rule = f"every {HOLDOUT_EVERY}th"
+        if q.target is not None:
+            rule = f"every 2nd of the first {2 * SEARCH_MIN_ROWS}, then {rule}"
+        label = f"held-out calibration samples ({rule})"
     else:
         if q.checked_gates.min_top1_agreement is not None:
             raise BuildError(

@@ -472,10 +472,13 @@ def plans_text(found: dict[str, Any]) -> str:
     """The accuracy search's plans, one line each, and the layers kept in float."""
     lines = [f"accuracy search ({found['measured_on']}), every plan tried:"]
     for p in found["plans"]:
-        agree = p["top1_agreement"]
+        agree, interval = p["top1_agreement"], p.get("top1_interval")
+        shown = "-" if agree is None else f"{agree:.2%}"
+        if interval:
+            shown += f" [{interval[0]:.1%}, {interval[1]:.1%}]"
         lines.append(
-            f"  {p['method']:<10} {p['float_layers']:>3} layers in float  "
-            f"top-1 {'-' if agree is None else f'{agree:.2%}'}  max abs {p['max_abs']:.3g}  "
+            f"  {p['method']:<22} {p['float_layers']:>3} layers in float  "
+            f"top-1 {shown}  max abs {p['max_abs']:.3g}  "
             f"{p['speedup_vs_fp32']:.2f}x fp32  {'met' if p['met'] else 'missed'}"
         )
     kept = found["kept_in_float"]

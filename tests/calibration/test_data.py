@@ -164,6 +164,19 @@ def test_holdout_takes_every_tenth_sample_whatever_the_batching():
         assert len(kept) == 41 and held.count == 4
 
 
+def test_holdout_first_holds_every_second_sample_until_it_has_enough():
+    data = np.arange(45, dtype=np.float32)[:, None]
+    for size in (1, 7, 45):
+        held = Holdout(every=10, cap=100, first=5)
+        kept = sum(
+            len(f["x"])
+            for f in held.split(batches(data, [TensorSpec("x", "float32", ("b", 1))], size))
+        )
+        taken = np.concatenate([f["x"] for f in held.held])
+        assert taken.ravel().tolist() == [1, 3, 5, 7, 9, 19, 29, 39]
+        assert kept == 37 and held.count == 8
+
+
 def test_data_hash_depends_on_the_data(tiny_cnn_path, calib_x):
     a = ek.calibrate(tiny_cnn_path, calib_x, method="minmax")
     b = ek.calibrate(tiny_cnn_path, calib_x[:32], method="minmax")

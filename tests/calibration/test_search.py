@@ -9,7 +9,14 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import enginekit as ek
-from enginekit.calibration.search import AccuracyTarget, fallback_precision, measure
+from enginekit.calibration.search import (
+    AccuracyTarget,
+    fallback_precision,
+    measure,
+    search,
+    wilson,
+)
+from enginekit.calibration.writers import write_qdq
 from enginekit.errors import BuildError, CalibrationError
 
 CLASSES = 6
@@ -61,6 +68,8 @@ def test_search_keeps_the_sensitive_layer_in_float_to_meet_the_target(data):
     target = AccuracyTarget(min_top1_agreement=0.97)
     engine = _build(outlier_mlp(), data, accuracy_target=target)
     found = engine.manifest["calibration"]["accuracy_search"]
+    # 300 samples: 150 held out (every 2nd of the first 300), not 30 (every 10th)
+    assert found["measured_on"] == "ONNX Runtime CPU, 150 held-out rows"
     assert [k["layer"] for k in found["kept_in_float"]] == ["fc2"]
     assert "sensitivity rank 1 of 2" in found["kept_in_float"][0]["why"]
     plans = found["plans"]
@@ -73,6 +82,9 @@ def test_search_keeps_the_sensitive_layer_in_float_to_meet_the_target(data):
         assert p["speedup_vs_fp32"] == pytest.approx(p["float_seconds"] / p["seconds"])
     assert len({p["float_seconds"] for p in plans}) == len(plans)
     assert found["chosen"]["float_layers"] == 1
+    # fc2 (8 -> 6) is 48 of the 112 MACs a row; the all-int8 plans run none in float
+    assert found["chosen"]["float_macs_share"] == pytest.approx(48 / 112)
+    assert {p["float_macs_share"] for p in plans[:-1]} == {0.0}
     # the target is also the build's gate, checked on the engine itself
     verify = engine.manifest["verify"]
     assert verify["gates"]["min_top1_agreement"] == 0.97
@@ -228,3 +240,46 @@ def test_cle_equalizes_before_calibration_and_the_manifest_says_so():
             conv_pair(), precision="int8", calibration=ek.calibrate(conv_pair(), data),
             accuracy_target=target, shapes={"x": [(1, 3, 4, 4), (8, 3, 4, 4), (16, 3, 4, 4)]},
         )  # fmt: skip
+
+
+def test_measure_reports_the_rows_and_a_wilson_interval_around_the_agreement():
+    ref = [[np.eye(4, dtype=np.float32)[[0, 1, 2, 3] * 25]]]
+    got = [[ref[0][0].copy()]]
+    got[0][0][:3] = np.roll(got[0][0][:3], 1, axis=1)  # 3 of 100 rows disagree
+    m = measure(got, ref)
+    assert m["rows"] == 100 and m["top1_agreement"] == pytest.approx(0.97)
+    low, high = m["top1_interval"]
+    assert low == pytest.approx(0.9155, abs=1e-3) and high == pytest.approx(0.9897, abs=1e-3)
+    # 30 rows cannot tell 97% from 100%: all 30 agreeing is still consistent with 89%
+    assert wilson(1.0, 30)[0] < 0.89 and wilson(0.97, 150)[0] > wilson(0.97, 30)[0]
+
+
+def test_too_few_rows_for_the_target_are_warned_about(data, caplog):
+    small = data[:100]  # 50 held out: 97% allows one row to disagree, 99.5% none
+    with caplog.at_level("WARNING", logger="enginekit.calibration.search"):
+        _build(outlier_mlp(), small, accuracy_target=AccuracyTarget(min_top1_agreement=0.97))
+    assert "allows no row to disagree" not in caplog.text
+    with caplog.at_level("WARNING", logger="enginekit.calibration.search"):
+        _build(outlier_mlp(), small, accuracy_target=AccuracyTarget(min_top1_agreement=0.995))
+    assert "on 50 held-out rows allows no row to disagree" in caplog.text
+    assert "it needs at least 200 rows" in caplog.text
+
+
+def test_sums_and_bias_are_tried_on_every_calibration_method():
+    from test_rounding import edge_detectors
+
+    source = edge_detectors()
+    rng = np.random.default_rng(3)
+    x = (rng.random((48, 16, 8, 8)) * 4 + 1).astype(np.float32)
+    table = ek.calibrate(source, {"x": x[:32]}, method="entropy")
+    rows = [{"x": x[32:]}]
+    found = search(
+        source, table, rows, AccuracyTarget(max_abs_error=0.0, max_plans=1),
+        lambda t: write_qdq(source, t, style="onnxruntime-cpu"),
+    )  # fmt: skip
+    tried = [p.method for p in found.plans if not p.kept]
+    for method in ("entropy", "percentile", "minmax"):
+        assert {method, f"{method}+sums", f"{method}+sums+bias"} <= set(tried), tried
+    # the layers kept in float are chosen from the most accurate all-int8 plan
+    best = min((p for p in found.plans if not p.kept), key=lambda p: p.metrics["nmse"])
+    assert all(p.method == best.method for p in found.plans if p.kept)
