@@ -292,14 +292,16 @@ def _value_inputs(model: Model, config: BuildConfig) -> tuple[dict[str, str], di
         BuildError: a value input may hold more than ``values.VALUE_LIMIT`` elements.
     """
     from enginekit.backends import values
-    from enginekit.backends.tvm.values import find
+    from enginekit.backends.tvm.values import accepted, find
 
     found = find(model.proto)
     if not found:
         return {}, {}
     sizes = values.max_sizes(model.inputs, config.profiles)
     values.check_sizes(found, sizes, model.label, backend="TVM")
-    example = values.example_values(model, config.profiles, config.seed, found)
+    example = accepted(
+        model.proto, values.example_values(model, config.profiles, config.seed, found)
+    )
     log.info("tvm: value inputs %s, compiled for %s", list(found), values.describe(example))
     return found, example
 

@@ -364,7 +364,7 @@ def converters() -> dict[str, Any]:
                 )
             )
 
-    from enginekit.backends.tvm import rnn
+    from enginekit.backends.tvm import resize, rnn
 
     return {
         **rnn.converters(),
@@ -383,7 +383,7 @@ def converters() -> dict[str, Any]:
         "HardSwish": HardSwish,
         "Range": Range,
         "Clip": Clip,
-        "Resize": Resize,
+        "Resize": resize.converter(Resize),
         "Gather": Gather,
         "Cosh": Cosh,
         "Sinh": Sinh,

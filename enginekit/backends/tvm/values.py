@@ -40,6 +40,20 @@ def find(proto: onnx.ModelProto) -> dict[str, str]:
     return shared.find(proto, shared.SHAPE_INPUTS)
 
 
+def accepted(proto: onnx.ModelProto, example: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``example`` with generated Resize ``scales`` that are not all positive replaced by
+    ones (an identity resize): the example values are random floats there, which no Resize
+    accepts, so the build's own program would not compile. The engine compiles a program
+    for the values it is given later, as for any value input."""
+    out = dict(example)
+    for node in proto.graph.node:
+        if node.op_type == "Resize" and len(node.input) > 2 and node.input[2] in out:
+            scales = np.asarray(out[node.input[2]])
+            if scales.dtype.kind == "f" and scales.size and not (scales > 0).all():
+                out[node.input[2]] = np.ones_like(scales)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """How to compile a program for new values the way the build compiled its own.
