@@ -395,10 +395,13 @@ def run_model(
                 f"in the batcher's worker (back to back: {b1 * 1e3:.3f} ms)"
             )
             if getattr(args, "trace", False):
-                for mode, traced in (("pool", pool_engine), ("batcher", cell_engine)):
+                for mode, traced, capacity in (
+                    ("pool", pool_engine, POOL_THREADS),
+                    ("batcher", cell_engine, stats["workers"]),
+                ):
                     t = traces[mode]
                     tl = batcher_trace.timelines(
-                        traced.calls, t["start"], t["arrivals"], t["submitted"], t["done"]
+                        traced.calls, t["start"], t["arrivals"], t["submitted"], t["done"], capacity
                     )
                     lone[f"{mode}_trace"] = batcher_trace.summary(tl)
                     batcher_trace.print_summary(mode, lone[f"{mode}_trace"])

@@ -12,8 +12,8 @@ and each request in the slowest 2% is put in one class, the first that applies:
 
   late submit   the generator submitted it more than 1 ms after its scheduled time (the load
                 generator's sleep overshot, or it waited for the interpreter lock)
-  queued        another engine call was running when it was submitted and it started only after
-                that call ended (it waited out a running call)
+  queued        every thread that runs calls was in one when it was submitted, and it started
+                only once one came free (it waited out a running call)
   window        it waited >= 1.5 ms for the engine while no call ran (the delay window)
   dispatch      it waited > 0.5 ms for the engine while no call ran (thread wake-up, collation)
   slow engine   its engine call took > 1.25 x the median call of its size
@@ -93,9 +93,16 @@ def tagger(sample: Any) -> tuple[Callable[[Any, int], Any], Callable[[dict], np.
 
 
 def timelines(
-    calls: list[Call], start: float, arrivals: np.ndarray, submitted: list[float], done: np.ndarray
+    calls: list[Call],
+    start: float,
+    arrivals: np.ndarray,
+    submitted: list[float],
+    done: np.ndarray,
+    capacity: int = 1,
 ) -> list[dict[str, Any]]:
-    """One dict per request that completed: its times (ms from the cell's start) and class."""
+    """One dict per request that completed: its times and class. ``capacity``: how many calls
+    can run at once (the batcher's workers, the pool's threads); a request waits behind
+    running calls only when that many were running when it was submitted."""
     of: dict[int, Call] = {}
     for c in calls:
         for t in c.tags:
@@ -114,7 +121,8 @@ def timelines(
         before = ordered[: int(np.searchsorted(starts, sub))]
         running = [c for c in before if c.end > sub and c is not call]
         wait = call.start - sub
-        busy_until = max((c.end for c in running), default=sub)
+        # Every thread busy: it could start no earlier than the first of them came free.
+        busy_until = min(c.end for c in running) if len(running) >= capacity else sub
         row = {
             "request": i,
             "latency_ms": (done[i] - arrival) * 1e3,
@@ -125,7 +133,7 @@ def timelines(
             "batch": len(call.tags),
             "running_at_submit": len(running),
             "behind_ms": max(busy_until - sub, 0.0) * 1e3,
-            "threads": len({c.thread for c in calls}),
+            "capacity": capacity,
         }
         row["class"] = classify(row, median[len(call.tags)] * 1e3)
         out.append(row)
@@ -136,7 +144,7 @@ def classify(row: dict[str, Any], median_engine_ms: float) -> str:
     """The first class of the module docstring's list that applies to ``row``."""
     if row["late_submit_ms"] > 1.0:
         return "late submit"
-    if row["running_at_submit"] and row["wait_ms"] >= row["behind_ms"] - 0.05:
+    if row["behind_ms"] > 0 and row["wait_ms"] >= row["behind_ms"] - 0.05:
         return "queued"
     idle_wait = row["wait_ms"] - row["behind_ms"]
     if idle_wait >= 1.5:

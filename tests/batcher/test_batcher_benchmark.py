@@ -97,6 +97,9 @@ def test_trace_tells_what_made_each_slow_request_slow(script):
         5: "queued",
     }
     assert rows[5]["behind_ms"] == pytest.approx(2.2) and rows[5]["running_at_submit"] == 1
+    # With two threads, request 5 would have run beside call 4: nothing to wait behind.
+    two = {r["request"]: r for r in trace.timelines(calls, 0.0, arrivals, submitted, done, 2)}
+    assert two[5]["behind_ms"] == 0 and two[5]["running_at_submit"] == 1
     summary = trace.summary(rows, share=0.5)
     assert [r["request"] for r in summary["tail"]] == [3, 2, 1]  # the slowest half
     assert {c: n for c, n in summary["tail_classes"].items() if n} == {
