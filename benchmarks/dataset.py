@@ -420,11 +420,12 @@ def main() -> None:
         for rep in range(reps):
             t, n = timed(naive_images, engine, work / "images", work / f"inaive{rep}", batch)
             ia_r.append(n / t)
-            # As `enginekit infer` runs it: from the artifact, streams chosen (load not timed,
-            # as (a)'s engine is loaded before too; the streams search is).
+            # As `enginekit infer` runs it: from the artifact, in the streams and threads
+            # "auto" chose above (recorded, then reused, as the batch size; load not timed, as
+            # (a)'s engine is loaded before too).
             s = ek.infer_dataset(
                 artifact, work / "images", work / f"iek{rep}", batch, preprocess=PREP,
-                progress=False,
+                progress=False, streams=auto.streams, threads=auto.threads,
             )  # fmt: skip
             ib_r.append(images / s.seconds)
         ia, ib = float(np.median(ia_r)), float(np.median(ib_r))

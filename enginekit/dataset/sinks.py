@@ -50,7 +50,9 @@ def write_shard(
         columns.update({k: from_numpy(v, tensor_format) for k, v in outputs.items()})
         table = pa.table(columns)
         with atomic_path(path, suffix=".parquet") as tmp:
-            pq.write_table(table, tmp)
+            # No dictionary for the outputs: model outputs hardly repeat, and trying one cost
+            # 5x the rest of the write (19 vs 4 ms a 16k-row shard of 10 floats, measured).
+            pq.write_table(table, tmp, use_dictionary=[k for k in columns if k not in outputs])
             # On disk before the ledger names it: a committed shard survives a machine crash,
             # not only a killed process (the writer thread waits here, not the engine).
             fd = os.open(tmp, os.O_RDONLY)

@@ -87,3 +87,14 @@ def test_infer_refuses_existing_output_and_bad_columns_with_exit_codes(artifact,
         main(["infer", str(artifact), str(tmp_path / "d.npz"), "-o", out, "--max-memory", "lots"])
         == 2
     )
+
+
+def test_infer_streams_and_threads_flags_reach_the_summary(artifact, tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.zeros((6, 3, 16, 16), np.float32))
+    args = ["infer", str(artifact), str(tmp_path / "x.npy"), "-o", str(tmp_path / "out"),
+            "--batch-size", "2", "--streams", "2", "--threads", "1", "--no-progress"]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["streams"], summary["threads"], summary["rows"]) == (2, 1, 6)
+    assert main([*args[:-7], "--streams", "many"]) != 0
+    assert "--streams 'many'" in capsys.readouterr().err

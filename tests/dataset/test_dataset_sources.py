@@ -210,3 +210,22 @@ def test_a_batch_decodes_to_the_same_values_as_its_images_one_by_one(tmp_path, p
     batch = decode_many(prep, paths)
     np.testing.assert_array_equal(batch, np.stack([prep(p) for p in paths]))
     assert batch.dtype == np.dtype(prep.dtype) and batch.flags.c_contiguous
+
+
+def test_output_columns_are_written_without_a_dictionary_ids_with(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from enginekit.dataset.sinks import write_shard
+
+    labels = pa.array(["cat", "dog"] * 50)
+    write_shard(
+        tmp_path / "s.parquet", {"label": labels}, {"y": np.ones((100, 3), np.float32)}, "parquet"
+    )
+    meta = pq.ParquetFile(tmp_path / "s.parquet").metadata.row_group(0)
+    encodings = {
+        meta.column(i).path_in_schema: meta.column(i).encodings for i in range(meta.num_columns)
+    }
+    assert not any("DICTIONARY" in e for e in encodings["y.list.element"])
+    assert any("DICTIONARY" in e for e in encodings["label"])
+    assert pq.read_table(tmp_path / "s.parquet").column("label").to_pylist() == labels.to_pylist()
