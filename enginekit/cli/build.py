@@ -477,7 +477,8 @@ def plans_text(found: dict[str, Any]) -> str:
         if interval:
             shown += f" [{interval[0]:.1%}, {interval[1]:.1%}]"
         lines.append(
-            f"  {p['method']:<22} {p['float_layers']:>3} layers in float  "
+            f"  {p['method']:<22} {p['float_layers']:>3} layers in float "
+            f"({p.get('float_macs_share', 0.0):.0%} of MACs)  "
             f"top-1 {shown}  max abs {p['max_abs']:.3g}  "
             f"{p['speedup_vs_fp32']:.2f}x fp32  {'met' if p['met'] else 'missed'}"
         )
