@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import matches_reference
+from conftest import matches_reference, reference
 from onnx import TensorProto, helper
 
 import enginekit as ek
@@ -107,3 +107,31 @@ def test_eye_like_takes_its_dtype_attribute(tmp_path):
     node = helper.make_node("EyeLike", ["x"], ["y"], dtype=F, k=1)
     path = _save(tmp_path, [node], {"x": (TensorProto.INT32, (3, 4))}, {"y": F}, 9)
     _check(path, {"x": np.zeros((3, 4), np.int32)})
+
+
+def test_reduce_min_of_bools_and_of_an_empty_set(tmp_path):
+    # TVM has no min value for bool ("Cannot decide max_value"), and over an empty set it
+    # returned float32's highest finite value where ONNX's minimum is +inf.
+    axes = onnx.numpy_helper.from_array(np.array([1], np.int64), "axes")
+    nodes = [
+        helper.make_node("ReduceMin", ["b", "axes"], ["bmin"], keepdims=1),
+        helper.make_node("ReduceMin", ["e", "axes"], ["emin"], keepdims=1),
+    ]
+    inputs = {"b": (TensorProto.BOOL, (2, 3)), "e": (F, (2, 0, 4))}
+    path = _save(tmp_path, nodes, inputs, {"bmin": TensorProto.BOOL, "emin": F}, 20, [axes])
+    b = np.array([[True, False, True], [True, True, True]])
+    _check(path, {"b": b, "e": np.zeros((2, 0, 4), np.float32)})
+
+
+def test_affine_grid_size_from_a_graph_input_builds(tmp_path):
+    # The build's generated example size holds zeros and ones (random integers): TVM's
+    # AffineGrid divided by zero at build, before verification could ask for verify_data.
+    node = helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=1)
+    inputs = {"theta": (F, (2, 2, 3)), "size": (TensorProto.INT64, (4,))}
+    path = _save(tmp_path, [node], inputs, {"grid": F}, 20)
+    theta = np.random.default_rng(0).standard_normal((2, 2, 3)).astype(np.float32)
+    feeds = {"theta": theta, "size": np.array([2, 3, 4, 5], np.int64)}
+    shapes = {k: [v.shape] * 3 for k, v in feeds.items()}
+    with ek.build(path, backend="tvm", shapes=shapes, verify_data=feeds) as engine:
+        got = engine.infer(feeds)["grid"]
+    np.testing.assert_allclose(got, reference(path, feeds)["grid"], rtol=1e-5, atol=1e-6)

@@ -235,10 +235,18 @@ def converters() -> dict[str, Any]:
         """A ReduceMax (sign -1) or ReduceMin (+1) converter whose result over elements that
         are all -inf (+inf) is -inf (+inf): TVM 0.27 starts the reduction at the dtype's
         finite lowest (highest) value and returns that. ONNX's Attention body tests
-        ``ReduceMax(bias) == -inf`` to give a fully masked row 0; the row became NaN."""
+        ``ReduceMax(bias) == -inf`` to give a fully masked row 0; the row became NaN. Over
+        an empty set the result is the same infinity, as ONNX says; bool inputs reduce as
+        uint8 (TVM has no bool extreme)."""
 
         def fix(cls: Any, version: int, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
             impl = getattr(super(cls, cls), f"_impl_v{version}")
+            x = inputs[0]
+            if str(x.ty.dtype) == "bool":
+                # TVM has no max/min value for bool ("Cannot decide max_value"): as uint8.
+                cast = [bb.emit(relax.op.astype(x, "uint8")), *list(inputs)[1:]]
+                y = bb.normalize(impl(bb, cast, attr, params))
+                return bb.emit(relax.op.astype(y, "bool"))
             y = bb.normalize(impl(bb, inputs, attr, params))
             dtype = y.ty.dtype
             if str(dtype) not in ("float16", "float32", "float64"):
@@ -247,7 +255,10 @@ def converters() -> dict[str, Any]:
             edge = relax.const(bound, dtype)
             # Only elements equal to the bound or beyond it (infinite) leave the bound.
             hits = bb.emit(relax.op.astype(relax.op.equal(inputs[0], edge), dtype))
-            hit = bb.normalize(impl(bb, [hits, *list(inputs)[1:]], attr, params))
+            # Whether any element sits at the bound: a max over the indicators, which is
+            # below 0.5 for an empty set too, whose min (max) is +inf (-inf).
+            anyhit = getattr(onnx_frontend.ReduceMax, f"_impl_v{version}")
+            hit = bb.normalize(anyhit(bb, [hits, *list(inputs)[1:]], attr, params))
             at_edge = relax.op.less_equal(y, edge) if sign < 0 else relax.op.greater_equal(y, edge)
             none = relax.op.less(hit, relax.const(0.5, dtype))
             infinite = relax.const(sign * np.inf, dtype)

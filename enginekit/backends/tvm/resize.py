@@ -83,9 +83,8 @@ def plan(
         scales = None
     if sizes is not None and sizes.size == 0:
         sizes = None
-    if (scales is None) == (sizes is None) or len(axes) != len(
-        scales if scales is not None else sizes
-    ):
+    given = scales if scales is not None else sizes
+    if given is None or (scales is not None and sizes is not None) or len(axes) != given.size:
         return None
     if roi is not None and roi.size == 0:
         roi = None
@@ -222,6 +221,7 @@ def emit(bb: Any, x: Any, planned: list[Axis], extrapolation: float) -> Any:
     if outside:
         mask = np.zeros([1] * rank, bool)
         for s in outside:
+            assert s.outside is not None
             view = [1] * rank
             view[s.axis] = s.outside.size
             mask = mask | s.outside.reshape(view)

@@ -42,8 +42,9 @@ def find(proto: onnx.ModelProto) -> dict[str, str]:
 
 def accepted(proto: onnx.ModelProto, example: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``example`` with generated Resize ``scales`` that are not all positive replaced by
-    ones (an identity resize): the example values are random floats there, which no Resize
-    accepts, so the build's own program would not compile. The engine compiles a program
+    ones (an identity resize), and an AffineGrid ``size`` that is not all positive by a small
+    grid: the example values are random there, which neither op accepts, so the build's own
+    program would not compile (verification then asks for ``verify_data=``). The engine compiles a program
     for the values it is given later, as for any value input."""
     out = dict(example)
     for node in proto.graph.node:
@@ -51,7 +52,24 @@ def accepted(proto: onnx.ModelProto, example: Mapping[str, np.ndarray]) -> dict[
             scales = np.asarray(out[node.input[2]])
             if scales.dtype.kind == "f" and scales.size and not (scales > 0).all():
                 out[node.input[2]] = np.ones_like(scales)
+        if node.op_type == "AffineGrid" and len(node.input) > 1 and node.input[1] in out:
+            size = np.asarray(out[node.input[1]])
+            if size.ndim == 1 and size.size in (4, 5) and not (size > 0).all():
+                # theta's batch where static, then one channel and 2 x 2 (x 2) points.
+                out[node.input[1]] = np.array(
+                    [_batch(proto, node.input[0]), 1, *[2] * (size.size - 2)], size.dtype
+                )
     return out
+
+
+def _batch(proto: onnx.ModelProto, name: str) -> int:
+    """The static first dim of graph input ``name``, else 1."""
+    for value in proto.graph.input:
+        if value.name == name:
+            dims = value.type.tensor_type.shape.dim
+            if dims and dims[0].HasField("dim_value"):
+                return int(dims[0].dim_value)
+    return 1
 
 
 @dataclasses.dataclass(frozen=True)
