@@ -36,13 +36,18 @@ Definitions:
     threads, batches of 64), i.e. everything the batcher itself costs.
 
 Goals: at the highest rate (1.5x the ceiling: overload) the batcher sustains >= 90% of the
-ceiling (both beside the load generator); at the lowest rate its p99 latency <= max_delay + 1.5 x the batch-1 latency; overhead
-<= 30 us per request. The engine runs with one intra-op thread by default (--threads): on a
-2-core machine the engine has one core and the Python side (generator, submit, collation,
-futures) the other, for the ceiling and the batcher alike.
+ceiling (both beside the load generator); at the lowest rate its p99 latency <= max_delay + 1.5 x
+the batch-1 latency (the engine's, back to back; the median lone batch-1 call at the lowest rate,
+as the pool and the batcher see it with the engine idle between requests, is printed beside it);
+overhead <= 30 us per request. The engine runs with one intra-op thread by default (--threads):
+the ceiling runs on one core; the batcher (workers="auto" by default) runs one worker per core,
+so that a request arriving during a call runs beside it, as in the pool.
+
+--trace prints, for the lowest rate, the timeline of each of the slowest 2% of requests and what
+made it slow (see batcher_trace.py).
 
     python benchmarks/batcher.py [--quick] [--seconds 2] [--models cnn,resnet18,bert] [--json f]
-                                  [--switch-interval s]
+                                  [--workers auto|n] [--trace] [--switch-interval s]
 
 Timings on a shared machine are noisy: the load average is printed, and every ratio comes from
 cells measured next to each other.
@@ -552,6 +557,7 @@ def goals_for(name: str, rows: list[dict[str, Any]]) -> list[tuple[str, float, f
     b1 = next(r for r in rows if r["mode"] == "ceiling")["batch1_s"] * 1e3
     top, low = ours[-1], ours[0]
     bound = MAX_DELAY_MS + 1.5 * b1
+    lone = low.get("lone_batch1_ms", float("nan"))
     return [
         (
             f"{name}: highest rate >= 0.90 of the ceiling (both beside the load generator)",
@@ -559,7 +565,13 @@ def goals_for(name: str, rows: list[dict[str, Any]]) -> list[tuple[str, float, f
             0.90,
             ">=",
         ),
-        (f"{name}: lowest-rate p99 <= {bound:.2f} ms", low["p99_ms"], bound, "<="),
+        (
+            f"{name}: lowest-rate p99 <= {bound:.2f} ms (max delay + 1.5 x batch 1 back to back, "
+            f"{b1:.2f} ms; a lone batch-1 call at this rate: {lone:.2f} ms)",
+            low["p99_ms"],
+            bound,
+            "<=",
+        ),
     ]
 
 
