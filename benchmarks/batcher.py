@@ -36,13 +36,18 @@ Definitions:
     threads, batches of 64), i.e. everything the batcher itself costs.
 
 Goals: at the highest rate (1.5x the ceiling: overload) the batcher sustains >= 90% of the
-ceiling (both beside the load generator); at the lowest rate its p99 latency <= max_delay + 1.5 x the batch-1 latency; overhead
-<= 30 us per request. The engine runs with one intra-op thread by default (--threads): on a
-2-core machine the engine has one core and the Python side (generator, submit, collation,
-futures) the other, for the ceiling and the batcher alike.
+ceiling (both beside the load generator); at the lowest rate its p99 latency <= max_delay + 1.5 x
+the batch-1 latency (the engine's, back to back; the median lone batch-1 call at the lowest rate,
+as the pool and the batcher see it with the engine idle between requests, is printed beside it);
+overhead <= 30 us per request. The engine runs with one intra-op thread by default (--threads):
+the ceiling runs on one core; the batcher (workers="auto" by default) runs one worker per core,
+so that a request arriving during a call runs beside it, as in the pool.
+
+--trace prints, for the lowest rate, the timeline of each of the slowest 2% of requests and what
+made it slow (see batcher_trace.py).
 
     python benchmarks/batcher.py [--quick] [--seconds 2] [--models cnn,resnet18,bert] [--json f]
-                                  [--switch-interval s]
+                                  [--workers auto|n] [--trace] [--switch-interval s]
 
 Timings on a shared machine are noisy: the load average is printed, and every ratio comes from
 cells measured next to each other.
@@ -391,8 +396,9 @@ def run_model(
             lone = lone_calls(pool_engine, cell_engine)
             print(
                 f"lone batch-1 call at {rate:,.0f}/s (engine idle between requests): median "
-                f"{lone['pool_ms']:.3f} ms in the pool's threads, {lone['batcher_ms']:.3f} ms "
-                f"in the batcher's worker (back to back: {b1 * 1e3:.3f} ms)"
+                f"{lone['pool_ms']:.3f} ms (p99 {lone['pool_p99_ms']:.2f}) in the pool's "
+                f"threads, {lone['batcher_ms']:.3f} ms (p99 {lone['batcher_p99_ms']:.2f}) in the "
+                f"batcher's workers; back to back: {b1 * 1e3:.3f} ms"
             )
             if getattr(args, "trace", False):
                 for mode, traced, capacity in (
@@ -415,6 +421,7 @@ def run_model(
             row = {"model": name, "rate": rate, "fraction": fraction, "mode": mode, **c}
             if low:
                 row["lone_batch1_ms"] = lone[f"{mode}_ms"]
+                row["lone_batch1_p99_ms"] = lone[f"{mode}_p99_ms"]
                 if f"{mode}_trace" in lone:
                     row["trace"] = lone[f"{mode}_trace"]
             row["ceiling"] = local
@@ -475,12 +482,14 @@ def run_model(
     return rows
 
 
-def lone_calls(pool: Any, batcher: Any) -> dict[str, float]:
-    """Median ms of the batch-1 engine calls each recording engine saw."""
-    out = {}
+def lone_calls(pool: Any, batcher: Any) -> dict[str, Any]:
+    """Median and p99 ms of the batch-1 engine calls each recording engine saw: the engine's
+    own share of a request's latency, which no dispatcher can take away."""
+    out: dict[str, Any] = {}
     for mode, traced in (("pool", pool), ("batcher", batcher)):
         ones = [c.end - c.start for c in traced.calls if len(c.tags) == 1]
         out[f"{mode}_ms"] = float(np.median(ones)) * 1e3 if ones else float("nan")
+        out[f"{mode}_p99_ms"] = float(np.percentile(ones, 99)) * 1e3 if ones else float("nan")
     return out
 
 
@@ -552,6 +561,7 @@ def goals_for(name: str, rows: list[dict[str, Any]]) -> list[tuple[str, float, f
     b1 = next(r for r in rows if r["mode"] == "ceiling")["batch1_s"] * 1e3
     top, low = ours[-1], ours[0]
     bound = MAX_DELAY_MS + 1.5 * b1
+    lone = low.get("lone_batch1_ms", float("nan"))
     return [
         (
             f"{name}: highest rate >= 0.90 of the ceiling (both beside the load generator)",
@@ -559,7 +569,13 @@ def goals_for(name: str, rows: list[dict[str, Any]]) -> list[tuple[str, float, f
             0.90,
             ">=",
         ),
-        (f"{name}: lowest-rate p99 <= {bound:.2f} ms", low["p99_ms"], bound, "<="),
+        (
+            f"{name}: lowest-rate p99 <= {bound:.2f} ms (max delay + 1.5 x batch 1 back to back, "
+            f"{b1:.2f} ms; a lone batch-1 call at this rate: {lone:.2f} ms)",
+            low["p99_ms"],
+            bound,
+            "<=",
+        ),
     ]
 
 

@@ -203,7 +203,7 @@ class Batcher:
             # look at the queue by themselves when their batch ends.
             if self._idle:
                 if rows >= self._plan.get(request.key, 1) or now >= self._wake_at:
-                    self._cv.notify()
+                    self._wake_newest()
             elif rows == self.max_batch_size and self._prepared is None:
                 self._done.put(("wake",))  # every worker is busy: the helper collates it
             if request.deadline < self._timer_at:
@@ -292,6 +292,22 @@ class Batcher:
             f"<Batcher {self.name!r} max_batch_size={self.max_batch_size} "
             f"max_delay_ms={self.max_delay * 1e3:g} workers={self._workers}>"
         )
+
+    def _wake_newest(self) -> None:
+        """Wake the worker that went to wait last (under the lock). Condition.notify wakes the
+        one waiting longest, so at low load lone requests would take turns between workers;
+        last-in-first-out keeps them on one thread, whose core and caches are the ones the
+        engine ran on last, and leaves the other workers for requests that arrive while it
+        is busy. The waiter locks are the Condition's own (``_waiters``, newest last); a
+        waiter that timed out meanwhile removes itself, as after notify()."""
+        waiters = self._cv._waiters  # type: ignore[attr-defined]
+        while waiters:
+            waiter = waiters.pop()
+            try:
+                waiter.release()
+                return
+            except RuntimeError:  # released by a notify that was interrupted: awake already
+                continue
 
     def _purge_cancelled(self) -> int:
         """Drop cancelled requests from the queue (under the lock); returns how many."""

@@ -119,7 +119,7 @@ def test_quick_run_with_trace_reports_the_lone_call_and_the_tail(script, onnx_mo
     engine.close()
     low = [r for r in rows if r.get("fraction") == script.QUICK_RATES[0]]
     for r in low:
-        assert r["lone_batch1_ms"] > 0
+        assert 0 < r["lone_batch1_ms"] <= r["lone_batch1_p99_ms"]
         assert r["trace"]["requests"] > 0
         assert sum(r["trace"]["tail_classes"].values()) == len(r["trace"]["tail"]) >= 1
     out = capsys.readouterr().out

@@ -5,6 +5,7 @@ beside it instead of waiting it out."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -111,3 +112,36 @@ def test_workers_must_be_auto_or_a_positive_count(cnn):
     for bad in ("many", 0, 1.5):
         with pytest.raises(ek.UsageError, match="workers"):
             ek.Batcher(cnn, workers=bad)
+
+
+class Threads(ek.Engine):
+    """Runs ``inner``, recording the thread of every call."""
+
+    def __init__(self, inner: ek.Engine) -> None:
+        super().__init__(inner.inputs, inner.outputs, inner.profiles, inner.manifest)
+        self.inner = inner
+        self.threads: list[int] = []
+
+    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.threads.append(threading.get_ident())
+        return self.inner.infer(feeds)
+
+
+def test_lone_requests_stay_on_the_worker_that_ran_last(cnn):
+    # Condition.notify would wake the worker idle longest, so lone requests would take turns;
+    # the newest keeps them on one thread (its core's caches hold the engine's last run).
+    engine = Threads(cnn)
+    x = rows(6)
+    with ek.Batcher(engine, workers=3, max_delay_ms=1.0) as batcher:
+        for i in range(6):
+            idle(batcher)
+            batcher.submit(x[i]).result(timeout=10)
+    assert len(set(engine.threads)) == 1, engine.threads
+
+
+def idle(batcher: ek.Batcher) -> None:
+    """Wait until every worker waits on the queue (none is between batches)."""
+    deadline = time.monotonic() + 10
+    while batcher._idle < batcher.workers and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert batcher._idle == batcher.workers
