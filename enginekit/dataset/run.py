@@ -230,7 +230,10 @@ def infer_dataset(
         engine = _load(path, device, threads)
         if "threads" not in engine.load_options:
             threads = None  # the backend cannot set threads at load: the artifact's own
-        if _honours_threads(engine):
+        kind = str(device or engine.manifest.get("config", {}).get("device", "cpu"))
+        # Threads per call are a CPU matter; a second session on a GPU would only double its
+        # memory.
+        if kind.startswith("cpu") and _honours_threads(engine):
             reload = lambda t: load(path, device=device, threads=t)  # noqa: E731
     try:
         src = open_source(

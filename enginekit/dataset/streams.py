@@ -141,7 +141,10 @@ def choose_streams(
     if reload is None:
         # Its threading was chosen by whoever loaded it (or cannot be set at load): calls on
         # top of an engine that already spreads over every core would only oversubscribe them.
-        why = "one stream: the engine was given loaded (pass streams=N for N calls at once)"
+        why = (
+            "one stream: the engine's threading is not set here (an Engine was given, or its "
+            "backend or device takes no threads at load); streams=N runs N calls at once"
+        )
         return StreamChoice(1, None, (), why), None
     if n < 2 or not sample:
         return StreamChoice(1, None, (), f"one stream: {n} core(s)"), None
