@@ -19,6 +19,7 @@ so a rerun after a crash resumes from the last committed shard.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -31,7 +32,7 @@ import ray
 from enginekit.dataset.batches import Batch, rebatch
 from enginekit.dataset.columns import check_rows
 from enginekit.dataset.parquet import ParquetSource
-from enginekit.dataset.sources import Piece, Source, read_rows
+from enginekit.dataset.sources import Piece, Source
 from enginekit.errors import ArtifactError, UsageError
 
 
@@ -58,9 +59,9 @@ class EngineActor:
         cast: bool,
         device: str | None,
         engine_batch_size: int | None = None,
+        threads: int | None = None,
+        auto_threads: bool = False,
     ) -> None:
-        from enginekit.backends import load
-
         self.engine_batch_size = engine_batch_size
         if blob is not None:
             # The ObjectRef travels inside a list: Ray passes it through unresolved, and this
@@ -88,7 +89,7 @@ class EngineActor:
                     f"artifact {path} on this Ray node has SHA-256 {got[:12]}, the driver's "
                     f"{sha256[:12]}: the nodes see different files; sync them or ship bytes"
                 )
-        self.engine = load(local, device=device)
+        self.engine = _load(local, device, threads, auto_threads)
         self.columns = {s.name: columns.get(s.name, s.name) for s in self.engine.inputs}
         self.keep_inputs = keep_inputs
         self.cast = cast
@@ -123,6 +124,21 @@ class EngineActor:
             for i in range(0, n, step)
         ]
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _load(path: Path, device: str | None, threads: int | None, auto: bool) -> Any:
+    """The artifact loaded with ``threads`` per engine call (``ek.load(threads=)``); where they
+    were chosen for the user (``auto``) and the backend cannot set them, with its own."""
+    from enginekit.backends import load
+
+    if threads is None:
+        return load(path, device=device)
+    try:
+        return load(path, device=device, threads=threads)
+    except UsageError:
+        if not auto:
+            raise
+        return load(path, device=device)
 
 
 def _dense(a: np.ndarray) -> np.ndarray:
@@ -161,6 +177,7 @@ def map_engine(
     device: str | None = None,
     max_memory: int | str | None = None,
     engine_batch_size: int | None = None,
+    threads: int | str | None = "auto",
     **map_batches_args: Any,
 ) -> Any:
     """``dataset.map_batches`` through the engine of ``artifact``; returns the Ray Dataset with
@@ -197,6 +214,11 @@ def map_engine(
     blob = [ray.put(path.read_bytes())] if ship == "bytes" else None
     if batch_size == "auto":
         batch_size = _auto_batch(dataset, path, columns or {}, max_memory, cast, device)
+    auto_threads = threads == "auto"
+    if auto_threads:
+        threads = max(1, int(num_cpus)) if not num_gpus else None
+    if threads is not None and not (isinstance(threads, int) and threads >= 1):
+        raise UsageError(f"threads {threads!r}: expected an integer >= 1, 'auto' or None")
     compute = (
         ray.data.ActorPoolStrategy(size=concurrency)
         if isinstance(concurrency, int)
@@ -213,6 +235,8 @@ def map_engine(
             cast,
             device,
             engine_batch_size,
+            threads,
+            auto_threads,
         ),
         batch_size=batch_size,
         batch_format=batch_format,
@@ -266,17 +290,14 @@ def ray_batches(
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True
-        ds = read_dataset(src, start)
-        # Ray batches of about 8 MB of inputs (a whole number of engine batches: the engine
-        # sees the same batches as in a local run), and the results taken block by block:
-        # Ray's costs per batch, on the actor and on the driver, are paid per 8 MB.
-        # No longer than the smallest row group either: Ray bundles blocks until a batch is
-        # full, and an actor waiting for several read tasks would not overlap with them.
-        smallest = min((n for groups in src._meta for n in groups if n), default=size)
-        ray_batch = min(read_rows(size, src.inputs), max(size, smallest // size * size))
+        # One actor per CPU of the cluster, each holding one CPU and running a one-thread
+        # engine; each reads its own rows (the read is fused into the actor: the inputs never
+        # pass through the object store) and runs them as engine batches of the local run.
+        # Reading and inference overlap across actors instead of inside one.
+        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         mapped = map_engine(
-            ds, artifact, batch_size=ray_batch, batch_format="pyarrow", columns=src.mapping,
-            engine_batch_size=size,
+            read_dataset(src, start, size), artifact, batch_size=None, batch_format="pyarrow",
+            columns=src.mapping, engine_batch_size=size, concurrency=cpus, num_cpus=1,
         )  # fmt: skip
         names = src.keep or []
 
@@ -296,41 +317,51 @@ def ray_batches(
             ray.shutdown()
 
 
-#: CPUs a Ray read task reserves: less than an engine actor's, so the reads stay unfused.
-READ_CPUS = 0.5
+def read_dataset(src: ParquetSource, start: int, size: int = 1, num_cpus: float = 1) -> Any:
+    """A Ray Dataset of the source's rows from ``start`` on, one block per read task, each
+    about a row group long and cut where a local run's engine batches of ``size`` rows are cut
+    (so that the engine sees the same batches); a resumed run reads nothing it does not need.
 
-
-def read_dataset(src: ParquetSource, start: int) -> Any:
-    """A Ray Dataset of the source's rows from ``start`` on: one read task per row group (the
-    rows of the first one before ``start`` sliced off there), so a resumed run reads nothing it
-    does not need. (This also steps around ray.data.read_parquet's threaded file listing, which
-    races importing fsspec's HTTP filesystem when aiohttp is not installed.)"""
-    parts, row = [], 0
-    for f, groups in zip(src.files, src._meta):
-        for g, n in enumerate(groups):
-            if row + n > start:
-                parts.append({"file": str(f), "group": g, "skip": max(start - row, 0)})
+    The read tasks reserve ``num_cpus``: the same as the engine actors' makes Ray Data fuse
+    them into the actors (each actor reads its rows itself, and they never pass through the
+    object store). (Reading row groups ourselves also steps around ray.data.read_parquet's
+    threaded file listing, which races importing fsspec's HTTP filesystem when aiohttp is not
+    installed.)"""
+    groups, row = [], 0  # (file, group, first row, rows)
+    for f, counts in zip(src.files, src._meta):
+        for g, n in enumerate(counts):
+            if n and row + n > start:
+                groups.append((str(f), g, row, n))
             row += n
+    # Block ends: each row group's end rounded up to the engine batches' grid (from start).
+    ends = sorted({min(row, start + -(-(r + n - start) // size) * size) for _, _, r, n in groups})
+    parts, lo = [], start
+    for hi in ends:
+        pieces = [
+            (f, g, max(lo - r, 0), min(hi, r + n) - max(lo, r))
+            for f, g, r, n in groups
+            if r < hi and r + n > lo
+        ]
+        parts.append({"pieces": json.dumps(pieces)})
+        lo = hi
     needed = list(dict.fromkeys([*src.mapping.values(), *src.keep]))
-    # Reads are tasks of their own (num_cpus differs from the engine actors', so Ray Data does
-    # not fuse them into the actors, where reading and inference would take turns in one
-    # process): they overlap with the engine as the local pipeline's reader does.
     return ray.data.from_items(parts, override_num_blocks=max(1, len(parts))).map_batches(
-        read_row_groups, batch_size=1, batch_format="numpy", fn_kwargs={"columns": needed},
-        num_cpus=READ_CPUS,
+        read_row_groups, batch_size=1, batch_format="pyarrow", fn_kwargs={"columns": needed},
+        num_cpus=num_cpus,
     )  # fmt: skip
 
 
 def read_row_groups(batch: Any, columns: list[str] | None = None) -> Any:
-    """A Ray read task: the listed Parquet row groups, each from its ``skip``-th row on (tensor
-    columns by the page reader, as in a local run: the read tasks share the engine's CPUs)."""
+    """A Ray read task: each item's pieces (JSON: file, row group, first row, rows), concatenated
+    (tensor columns by the page reader, as in a local run)."""
     import pyarrow as pa
 
     from enginekit.dataset.parquet import read_group
 
     tables = [
-        read_group(str(f), int(g), columns, int(skip))
-        for f, g, skip in zip(batch["file"], batch["group"], batch["skip"])
+        read_group(f, g, columns, skip).slice(0, take)
+        for pieces in batch.column("pieces").to_pylist()
+        for f, g, skip, take in json.loads(pieces)
     ]
     return pa.concat_tables(tables)
 

@@ -123,7 +123,7 @@ def test_killing_an_actor_mid_run_loses_and_duplicates_no_row(cluster, ekit):
         )
 
 
-def test_reads_run_as_tasks_beside_the_engine_actors_not_fused_into_them(cluster, ekit, parquet):
+def test_reads_are_fused_into_the_engine_actors(cluster, ekit, parquet):
     from enginekit.dataset.ray import read_dataset
     from enginekit.dataset.resolve import open_source
 
@@ -131,11 +131,23 @@ def test_reads_run_as_tasks_beside_the_engine_actors_not_fused_into_them(cluster
     with ek.load(artifact) as engine:
         src = open_source(parquet / "src", engine.inputs)
     mapped = ek.ray.map_engine(
-        read_dataset(src, 40), artifact, batch_size=8, batch_format="pyarrow"
+        read_dataset(src, 40), artifact, batch_size=None, batch_format="pyarrow"
     ).materialize()
     stats = mapped.stats()
-    assert "MapBatches(EngineActor)" in stats and "read_row_groups)->" not in stats
+    assert "MapBatches(read_row_groups)->MapBatches(EngineActor)" in stats
     assert mapped.count() == 80  # from row 40 on
+
+
+def test_read_blocks_end_on_the_engine_batch_grid(cluster, ekit, parquet):
+    from enginekit.dataset.ray import read_dataset
+    from enginekit.dataset.resolve import open_source
+
+    with ek.load(ekit("cnn")) as engine:
+        src = open_source(parquet / "src", engine.inputs)
+    # Row groups of 16 rows, engine batches of 6 from row 10: blocks end at 10 + 6k.
+    blocks = [b["key"] for b in read_dataset(src, 10, 6).iter_batches(batch_size=None)]
+    assert all(len(b) % 6 == 0 for b in blocks[:-1]) and len(blocks) > 1
+    assert np.concatenate(blocks).tolist() == [f"k{j}" for j in range(10, 120)]
 
 
 def test_actor_runs_a_ray_batch_as_engine_batches(ekit):
@@ -143,7 +155,7 @@ def test_actor_runs_a_ray_batch_as_engine_batches(ekit):
 
     artifact = ekit("cnn")
     x = cnn_rows(20, seed=3)
-    actor = EngineActor(None, str(artifact), _sha256(artifact), {}, False, False, None, 8)
+    actor = EngineActor(None, str(artifact), _sha256(artifact), {}, False, False, None, 8, 1)
     calls = []
     infer = actor.engine.infer
     actor.engine.infer = lambda feeds: calls.append(len(feeds["x"])) or infer(feeds)
