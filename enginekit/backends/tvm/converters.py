@@ -375,10 +375,11 @@ def converters() -> dict[str, Any]:
                 )
             )
 
-    from enginekit.backends.tvm import resize, rnn
+    from enginekit.backends.tvm import resize, rnn, windows
 
     return {
         **rnn.converters(),
+        **windows.converters(),
         "CumProd": CumProd,
         "EyeLike": EyeLike,
         "SpaceToDepth": SpaceToDepth,
