@@ -375,11 +375,12 @@ def converters() -> dict[str, Any]:
                 )
             )
 
-    from enginekit.backends.tvm import resize, rnn, windows
+    from enginekit.backends.tvm import resize, rnn, text, windows
 
     return {
         **rnn.converters(),
         **windows.converters(),
+        **text.converters(),
         "CumProd": CumProd,
         "EyeLike": EyeLike,
         "SpaceToDepth": SpaceToDepth,
