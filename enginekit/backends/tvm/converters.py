@@ -375,10 +375,12 @@ def converters() -> dict[str, Any]:
                 )
             )
 
-    from enginekit.backends.tvm import resize, rnn
+    from enginekit.backends.tvm import resize, rnn, text, windows
 
     return {
         **rnn.converters(),
+        **windows.converters(),
+        **text.converters(),
         "CumProd": CumProd,
         "EyeLike": EyeLike,
         "SpaceToDepth": SpaceToDepth,

@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 
 from enginekit.backends import values as shared
+from enginekit.backends.tvm.windows import col2im_matrix
 from enginekit.errors import BuildError
 
 log = logging.getLogger(__name__)
@@ -59,17 +60,67 @@ def accepted(proto: onnx.ModelProto, example: Mapping[str, np.ndarray]) -> dict[
                 out[node.input[1]] = np.array(
                     [_batch(proto, node.input[0]), 1, *[2] * (size.size - 2)], size.dtype
                 )
+        if node.op_type == "Col2Im" and len(node.input) > 2:
+            _col2im_example(proto, node, out)
     return out
+
+
+def _col2im_example(proto: onnx.ModelProto, node: onnx.NodeProto, out: dict[str, Any]) -> None:
+    """A Col2Im ``image_shape`` and ``block_shape`` (value inputs, in ``out``) that fit its
+    static ``(N, C*K, L)`` input where the generated ones do not: blocks of one element, all
+    L blocks along the first axis."""
+    image_name, block_name = node.input[1], node.input[2]
+    if image_name not in out or block_name not in out:
+        return
+    image, block = np.asarray(out[image_name]), np.asarray(out[block_name])
+    dims = _dims(proto, node.input[0])
+    if image.ndim != 1 or block.shape != image.shape or dims is None or len(dims) != 3:
+        return
+    r = image.size
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    pads = list(attrs.get("pads", [0] * 2 * r))
+    strides = list(attrs.get("strides", [1] * r))
+    if (image > 0).all() and (block > 0).all():
+        k = int(np.prod(block))
+        matrix = col2im_matrix(
+            [int(v) for v in image], [int(v) for v in block],
+            list(attrs.get("dilations", [1] * r)), pads, strides,
+        )  # fmt: skip
+        if matrix is not None and matrix.shape[0] == k * dims[2] and dims[1] % k == 0:
+            return  # they fit
+    # Past the first axis, the smallest image dim whose block count (blocks of one element)
+    # divides what is left of the L blocks; the first axis takes the rest.
+    left, sizes = dims[2], [0]
+    for i in range(1, r):
+        for size in range(1, left + 1):
+            count = (size + pads[i] + pads[r + i] - 1) // strides[i] + 1
+            if count > 0 and left % count == 0:
+                left //= count
+                sizes.append(size)
+                break
+        else:
+            return  # no fitting blocks of one element: the build's import says what is wrong
+    sizes[0] = (left - 1) * strides[0] - pads[0] - pads[r] + 1
+    if sizes[0] < 1:
+        return
+    out[image_name] = np.array(sizes, image.dtype)
+    out[block_name] = np.ones(r, block.dtype)
+
+
+def _dims(proto: onnx.ModelProto, name: str) -> list[int] | None:
+    """The static dims of graph input ``name``, else None."""
+    for value in proto.graph.input:
+        if value.name == name:
+            dims = value.type.tensor_type.shape.dim
+            if all(d.HasField("dim_value") for d in dims):
+                return [int(d.dim_value) for d in dims]
+    return None
 
 
 def _batch(proto: onnx.ModelProto, name: str) -> int:
     """The static first dim of graph input ``name``, else 1."""
-    for value in proto.graph.input:
-        if value.name == name:
-            dims = value.type.tensor_type.shape.dim
-            if dims and dims[0].HasField("dim_value"):
-                return int(dims[0].dim_value)
-    return 1
+    dims = _dims(proto, name)
+    return dims[0] if dims else 1
 
 
 @dataclasses.dataclass(frozen=True)
