@@ -23,8 +23,10 @@ from enginekit.engine import Engine
 from enginekit.errors import UsageError
 
 #: More streams within this fraction of the best measured throughput win: the search runs the
-#: engine alone, and in a job independent calls tolerate the reader's and writer's CPU better.
-TOLERANCE = 0.05
+#: engine alone, and in a job independent calls tolerate the reader's and writer's CPU better
+#: (benchmarks/dataset.py, 2 cores: one call on both cores kept 0.6-0.8 of its in-memory rate
+#: in the job, one-thread streams about 1.0), so one call must be clearly faster alone to win.
+TOLERANCE = 0.1
 #: The most streams a job runs (a bound on threads and on batches in flight).
 MAX_STREAMS = 64
 
@@ -126,8 +128,8 @@ def choose_streams(
     reload: Callable[[int], Engine] | None,
     *,
     available: int | None = None,
-    seconds: float = 0.12,
-    rounds: int = 2,
+    seconds: float = 0.1,
+    rounds: int = 3,
 ) -> tuple[StreamChoice, Engine | None]:
     """Measure one call at a time on the engine as loaded against one call per core.
 
