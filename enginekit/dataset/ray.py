@@ -187,7 +187,9 @@ def map_engine(
         dataset: a ``ray.data.Dataset``.
         artifact: an ``.ekit`` file or artifact folder.
         batch_size: rows per engine call; ``"auto"`` measures on the driver
-            (:func:`enginekit.dataset.autobatch.choose_batch_size` on the dataset's first rows).
+            (:func:`enginekit.dataset.autobatch.choose_batch_size` on the dataset's first rows);
+            ``None``: each block as it comes (what a read fused into the actors needs: there,
+            a batch size counts the read's input rows).
         batch_format: ``"numpy"`` (zero-copy for Ray's tensor columns) or ``"pyarrow"``
             (zero-copy for fixed-size list columns, as Parquet stores tensors).
         columns: engine input -> dataset column, where the names differ.
