@@ -375,12 +375,13 @@ def converters() -> dict[str, Any]:
                 )
             )
 
-    from enginekit.backends.tvm import resize, rnn, text, windows
+    from enginekit.backends.tvm import deform, resize, rnn, text, windows
 
     return {
         **rnn.converters(),
         **windows.converters(),
         **text.converters(),
+        **deform.converters(),
         "CumProd": CumProd,
         "EyeLike": EyeLike,
         "SpaceToDepth": SpaceToDepth,
