@@ -75,12 +75,24 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's enginekit and corpus, not an installed one
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import batcher_trace  # noqa: E402
 
 import enginekit as ek  # noqa: E402
 from enginekit.target import cpu_flags, cpu_name  # noqa: E402
+
+
+def _sibling(name: str) -> Any:
+    """A module from this folder, loaded by path: the folder stays off sys.path, where a script
+    named like a package would shadow it in every later import (tests/test_benchmarks.py)."""
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}", Path(__file__).with_name(f"{name}.py")
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+batcher_trace = _sibling("batcher_trace")
 
 MAX_DELAY_MS = 2.0
 RATES = (0.02, 0.25, 0.5, 0.9, 1.5)  # fractions of the ceiling

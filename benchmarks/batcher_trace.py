@@ -26,8 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -36,9 +35,10 @@ import enginekit as ek
 CLASSES = ("late submit", "queued", "window", "dispatch", "slow engine", "resolve", "other")
 
 
-@dataclass(frozen=True)
-class Call:
-    """One engine call: the request numbers it ran, its times, its thread."""
+class Call(NamedTuple):
+    """One engine call: the request numbers it ran, its times, its thread. (A NamedTuple: this
+    module is loaded by path, outside sys.modules, where a dataclass cannot resolve its
+    annotations.)"""
 
     tags: tuple[int, ...]
     start: float
