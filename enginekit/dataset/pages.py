@@ -130,7 +130,7 @@ def _unpack(data: bytes | memoryview, width: int, count: int) -> np.ndarray:
         return np.zeros(count, np.uint32)
     if width > 32:
         raise Unsupported(f"bit width {width}")
-    if width in (8, 16, 32):  # whole bytes: a view does it
+    if width in (8, 16, 32) and len(data) >= count * width // 8:  # whole bytes: a view
         dtype = {8: "<u1", 16: "<u2", 32: "<u4"}[width]
         return np.frombuffer(data, dtype, count).astype(np.uint32)
     # Eight values fill exactly ``width`` bytes, so value j of every group starts at the same
