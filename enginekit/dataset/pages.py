@@ -150,6 +150,22 @@ def _unpack(data: bytes | memoryview, width: int, count: int) -> np.ndarray:
     return out.reshape(-1)[:count]
 
 
+#: The header of a bit-packed run of 63 groups (504 values): the longest Arrow writes.
+_LONGEST = 63 << 1 | 1
+
+
+def _longest_runs(buf: memoryview, at: int, end: int, width: int, left: int) -> int:
+    """How many 63-group bit-packed runs follow one another from ``buf[at]`` (a header), whole
+    before ``end`` and all needed for ``left`` more values."""
+    stride = 1 + 63 * width
+    most = min(-(-left // 504), (end - at) // stride)
+    if most < 2:
+        return 0  # one run: the plain loop is as quick
+    heads = np.frombuffer(buf, np.uint8, most * stride, at)[::stride]
+    other = np.flatnonzero(heads != _LONGEST)
+    return int(other[0]) if len(other) else most
+
+
 def hybrid(buf: memoryview, pos: int, end: int, width: int, count: int) -> np.ndarray:
     """Decode ``count`` values of the RLE/bit-packed hybrid encoding in ``buf[pos:end]`` (as
     uint32).
@@ -158,7 +174,7 @@ def hybrid(buf: memoryview, pos: int, end: int, width: int, count: int) -> np.nd
     bit-packed runs' bytes are joined and unpacked at once, and the RLE runs repeated at once.
     """
     nbytes = (width + 7) // 8
-    packed: list[memoryview] = []  # the bytes of each bit-packed run, in order
+    packed: list[bytes | memoryview] = []  # the bytes of each bit-packed run, in order
     lengths: list[int] = []  # values in each run, in order
     is_packed: list[bool] = []
     rle: list[int] = []  # each RLE run's value, in order
@@ -167,7 +183,19 @@ def hybrid(buf: memoryview, pos: int, end: int, width: int, count: int) -> np.nd
         if pos >= end:
             raise Unsupported("levels end early")
         head, pos = _varint(buf, pos)
-        if head & 1:
+        if (
+            head == _LONGEST
+            and width
+            and (k := _longest_runs(buf, pos - 1, end, width, count - got))
+        ):
+            # Arrow writes long stretches of distinct values as 63-group runs back to back:
+            # all of those that follow are taken at once, their header bytes cut off by a view.
+            stride = 1 + 63 * width
+            rows = np.frombuffer(buf, np.uint8, k * stride, pos - 1).reshape(k, stride)
+            packed.append(rows[:, 1:].tobytes())
+            n = k * 504
+            pos += k * stride - 1
+        elif head & 1:
             size = (head >> 1) * width
             if pos + size > end:
                 size = end - pos  # a final run may be cut short after its last value
@@ -178,8 +206,8 @@ def hybrid(buf: memoryview, pos: int, end: int, width: int, count: int) -> np.nd
             rle.append(int.from_bytes(buf[pos : pos + nbytes], "little"))
             n = head >> 1
             pos += nbytes
-        lengths.append(n)
         is_packed.append(bool(head & 1))
+        lengths.append(n)
         got += n
     if not rle:
         return _unpack(b"".join(packed), width, got)[:count]

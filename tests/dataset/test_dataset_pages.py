@@ -229,3 +229,24 @@ def test_dictionary_of_one_value_and_indices_out_of_range(tmp_path):
     with pytest.raises(pages.Unsupported, match="out of range"):
         column._values(raw, 8, 4)
     np.testing.assert_array_equal(column._values(raw, 8, 3), [0, 1, 2])
+
+
+@pytest.mark.parametrize("width", [1, 7, 19, 32])
+def test_hybrid_longest_runs_back_to_back(width):
+    # Arrow's long literal stretches: 63-group runs one after another, taken at once; here
+    # four of them (values end inside the fourth), then an RLE run, then three more, the
+    # third cut off by the end of the bytes (read one by one).
+    rng = np.random.default_rng(width)
+    runs = [rng.integers(0, 1 << width, 504, dtype=np.uint64) for _ in range(7)]
+    head, nbytes = bytes([63 << 1 | 1]), (width + 7) // 8
+    first = b"".join(head + _packed(r, width) for r in runs[:4])
+    rle = bytes([9 << 1]) + (1).to_bytes(nbytes, "little")
+    rest = b"".join(head + _packed(r, width) for r in runs[4:])
+    want = np.concatenate(runs[:4]).astype(np.uint64)
+    got = pages.hybrid(memoryview(first + rle), 0, len(first), width, 3 * 504 + 100)
+    np.testing.assert_array_equal(got.astype(np.uint64), want[: 3 * 504 + 100])
+    buf = first + rle + rest
+    end = len(buf) - 63 * width + (500 * width + 7) // 8  # the last run's last 4 values gone
+    want = np.concatenate([*runs[:4], np.ones(9, np.uint64), *runs[4:]])[:-4]
+    got = pages.hybrid(memoryview(buf), 0, end, width, len(want))
+    np.testing.assert_array_equal(got.astype(np.uint64), want)
