@@ -123,61 +123,103 @@ def struct_at(buf: memoryview, pos: int) -> tuple[dict[int, Any], int]:
 # -- RLE / bit-packed hybrid ----------------------------------------------------------------------
 
 
-def _unpack(data: bytes, width: int, count: int) -> np.ndarray:
-    """``count`` little-endian ``width``-bit integers packed in ``data`` (``width`` <= 32)."""
+def _unpack(data: bytes | memoryview, width: int, count: int) -> np.ndarray:
+    """``count`` little-endian ``width``-bit integers packed in ``data`` (``width`` <= 32), as
+    uint32."""
     if width == 0:
-        return np.zeros(count, np.int64)
+        return np.zeros(count, np.uint32)
     if width > 32:
         raise Unsupported(f"bit width {width}")
+    if width in (8, 16, 32) and len(data) >= count * width // 8:  # whole bytes: a view
+        dtype = {8: "<u1", 16: "<u2", 32: "<u4"}[width]
+        return np.frombuffer(data, dtype, count).astype(np.uint32)
     # Eight values fill exactly ``width`` bytes, so value j of every group starts at the same
     # byte and bit: read each as one little-endian word through a strided view of the bytes
     # (no per-value gathers, no per-bit arrays: a page holds ~10^5 dictionary indices).
     groups = -(-count // 8)
     word = np.dtype("<u4") if width <= 25 else np.dtype("<u8")  # 7 bits of shift + width fit
-    padded = bytes(data[: groups * width]) + bytes(8)
-    out = np.empty((groups, 8), word)
+    padded = bytearray(groups * width + 8)
+    got = memoryview(data)[: groups * width]
+    padded[: len(got)] = got
+    out = np.empty((groups, 8), np.uint32)
     mask = word.type((1 << width) - 1)
     for j in range(8):
         first, shift = divmod(j * width, 8)
         view = np.ndarray((groups,), word, padded, offset=first, strides=(width,))
         out[:, j] = (view >> word.type(shift)) & mask
-    return out.reshape(-1)[:count].astype(np.int64)
+    return out.reshape(-1)[:count]
+
+
+#: The header of a bit-packed run of 63 groups (504 values): the longest Arrow writes.
+_LONGEST = 63 << 1 | 1
+
+
+def _longest_runs(buf: memoryview, at: int, end: int, width: int, left: int) -> int:
+    """How many 63-group bit-packed runs follow one another from ``buf[at]`` (a header), whole
+    before ``end`` and all needed for ``left`` more values."""
+    stride = 1 + 63 * width
+    most = min(-(-left // 504), (end - at) // stride)
+    if most < 2:
+        return 0  # one run: the plain loop is as quick
+    heads = np.frombuffer(buf, np.uint8, most * stride, at)[::stride]
+    other = np.flatnonzero(heads != _LONGEST)
+    return int(other[0]) if len(other) else most
 
 
 def hybrid(buf: memoryview, pos: int, end: int, width: int, count: int) -> np.ndarray:
-    """Decode ``count`` values of the RLE/bit-packed hybrid encoding in ``buf[pos:end]``."""
-    runs: list[tuple[bool, Any, int]] = []  # (packed, bytes or value, values)
+    """Decode ``count`` values of the RLE/bit-packed hybrid encoding in ``buf[pos:end]`` (as
+    uint32).
+
+    One pass over the run headers only (a page holds ~500 runs of up to 504 values); then the
+    bit-packed runs' bytes are joined and unpacked at once, and the RLE runs repeated at once.
+    """
     nbytes = (width + 7) // 8
+    packed: list[bytes | memoryview] = []  # the bytes of each bit-packed run, in order
+    lengths: list[int] = []  # values in each run, in order
+    is_packed: list[bool] = []
+    rle: list[int] = []  # each RLE run's value, in order
     got = 0
     while got < count:
         if pos >= end:
             raise Unsupported("levels end early")
         head, pos = _varint(buf, pos)
-        if head & 1:
-            n = (head >> 1) * 8
+        if (
+            head == _LONGEST
+            and width
+            and (k := _longest_runs(buf, pos - 1, end, width, count - got))
+        ):
+            # Arrow writes long stretches of distinct values as 63-group runs back to back:
+            # all of those that follow are taken at once, their header bytes cut off by a view.
+            stride = 1 + 63 * width
+            rows = np.frombuffer(buf, np.uint8, k * stride, pos - 1).reshape(k, stride)
+            packed.append(rows[:, 1:].tobytes())
+            n = k * 504
+            pos += k * stride - 1
+        elif head & 1:
             size = (head >> 1) * width
-            runs.append((True, buf[pos : pos + size], n))
+            if pos + size > end:
+                size = end - pos  # a final run may be cut short after its last value
+            packed.append(buf[pos : pos + size])
+            n = (head >> 1) * 8
             pos += size
         else:
+            rle.append(int.from_bytes(buf[pos : pos + nbytes], "little"))
             n = head >> 1
-            runs.append((False, int.from_bytes(buf[pos : pos + nbytes], "little"), n))
             pos += nbytes
+        is_packed.append(bool(head & 1))
+        lengths.append(n)
         got += n
-    if all(not packed for packed, _, _ in runs):
-        out = np.repeat(np.array([v for _, v, _ in runs], np.int64), [n for _, _, n in runs])
-        return out[:count]
-    # Bit-packed runs are whole bytes: join their bytes and unpack them at once.
-    parts = []
-    packed_bytes = b"".join(bytes(v) for p, v, _ in runs if p)
-    unpacked = _unpack(packed_bytes, width, sum(n for p, _, n in runs if p))
-    at = 0
-    for packed, v, n in runs:
-        if packed:
-            parts.append(unpacked[at : at + n])
-            at += n
-        else:
-            parts.append(np.full(n, v, np.int64))
-    return np.concatenate(parts)[:count]
+    if not rle:
+        return _unpack(b"".join(packed), width, got)[:count]
+    if not packed:
+        return np.repeat(np.array(rle, np.uint32), lengths)[:count]
+    flags = np.array(is_packed)
+    sizes = np.array(lengths, np.int64)
+    out = np.empty(got, np.uint32)
+    where = np.repeat(flags, sizes)
+    out[where] = _unpack(b"".join(packed), width, int(sizes[flags].sum()))
+    out[~where] = np.repeat(np.array(rle, np.uint32), sizes[~flags])
+    return out[:count]
 
 
 def all_equal(buf: memoryview, pos: int, end: int, width: int, count: int, value: int) -> bool:
@@ -192,7 +234,7 @@ def all_equal(buf: memoryview, pos: int, end: int, width: int, count: int, value
         if head & 1:
             n = (head >> 1) * 8
             size = (head >> 1) * width
-            vals = _unpack(bytes(buf[pos : pos + size]), width, n)[: count - got]
+            vals = _unpack(buf[pos : pos + size], width, n)[: count - got]
             if (vals != value).any():
                 return False
             pos += size
@@ -311,7 +353,8 @@ class Column:
             return np.frombuffer(raw, self.dtype, n)
         if encoding in (_RLE_DICTIONARY, _PLAIN_DICTIONARY) and self.dictionary is not None:
             idx = hybrid(raw, 1, len(raw), raw[0], n)
-            if len(idx) and idx.max() >= len(self.dictionary):
-                raise Unsupported("dictionary index out of range")
-            return self.dictionary[idx]
+            try:  # one gather; its bounds check is the only one
+                return self.dictionary.take(idx)
+            except IndexError:
+                raise Unsupported("dictionary index out of range") from None
         raise Unsupported(f"encoding {encoding}")

@@ -164,3 +164,89 @@ def test_required_lists_and_values_read_by_pages(tmp_path):
     spec = [TensorSpec("x", "float32", ("batch", 24))]
     got = _same_as_pyarrow(path, spec=spec, groups_fast=(3, 0))
     np.testing.assert_array_equal(got, x.reshape(9, 24))
+
+
+def _packed(values: np.ndarray, width: int) -> bytes:
+    """``values`` bit-packed as Parquet does: little-endian, whole groups of 8 (zero-padded)."""
+    padded = np.concatenate([values, np.zeros(-len(values) % 8, values.dtype)]).astype(np.uint64)
+    bits = ((padded[:, None] >> np.arange(width, dtype=np.uint64)) & 1).astype(np.uint8)
+    return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
+
+
+@pytest.mark.parametrize("width", range(1, 33))
+def test_hybrid_runs_of_every_bit_width(width):
+    # RLE, bit-packed, RLE, then a bit-packed run whose last group is partly past ``count``.
+    rng = np.random.default_rng(width)
+    top = 1 << width
+    a, b = rng.integers(0, top, 16, dtype=np.uint64), rng.integers(0, top, 13, dtype=np.uint64)
+    r1, r2 = int(rng.integers(0, top)), top - 1
+    nbytes = (width + 7) // 8
+    buf = b"".join(
+        [
+            bytes([3 << 1]), r1.to_bytes(nbytes, "little"),
+            bytes([2 << 1 | 1]), _packed(a, width),
+            bytes([0x80 | 4, 2]), r2.to_bytes(nbytes, "little"),  # two header bytes: 130 << 1 = 260
+            bytes([2 << 1 | 1]), _packed(b, width),
+        ]
+    )  # fmt: skip
+    want = np.concatenate([np.full(3, r1), a, np.full(130, r2), b]).astype(np.uint64)
+    got = pages.hybrid(memoryview(b"\x07" + buf), 1, len(buf) + 1, width, len(want))
+    np.testing.assert_array_equal(got.astype(np.uint64), want)
+    # Bit-packed runs only (how dictionary indices are written), the last one cut at its end.
+    only = bytes([2 << 1 | 1]) + _packed(a, width) + bytes([2 << 1 | 1]) + _packed(b, width)
+    cut = len(only) - 2 * width + (13 * width + 7) // 8  # no bytes past b's 13th value
+    got = pages.hybrid(memoryview(only), 0, cut, width, 29)
+    np.testing.assert_array_equal(got.astype(np.uint64), np.concatenate([a, b]))
+    # RLE runs only.
+    rle = (
+        bytes([3 << 1])
+        + r1.to_bytes(nbytes, "little")
+        + bytes([5 << 1])
+        + r2.to_bytes(nbytes, "little")
+    )
+    got = pages.hybrid(memoryview(rle), 0, len(rle), width, 7)
+    np.testing.assert_array_equal(got, [r1] * 3 + [r2] * 4)
+
+
+def test_hybrid_bit_width_zero_and_short_input():
+    # Width 0: RLE values have no bytes, bit-packed groups no bytes; every value is 0.
+    buf = memoryview(bytes([4 << 1, 1 << 1 | 1, 2 << 1]))
+    np.testing.assert_array_equal(pages.hybrid(buf, 0, len(buf), 0, 13), np.zeros(13))
+    with pytest.raises(pages.Unsupported, match="end early"):
+        pages.hybrid(buf, 0, len(buf), 0, 15)
+
+
+def test_dictionary_of_one_value_and_indices_out_of_range(tmp_path):
+    # One distinct value: a dictionary of one entry (its indices: one RLE run, pyarrow
+    # writes them 1 bit wide).
+    x = np.full((10, 2, 3, 4), 2.5, np.float32)
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"x": from_numpy(x, "list")}), path, row_group_size=4)
+    np.testing.assert_array_equal(_same_as_pyarrow(path, groups_fast=(3, 0)), x)
+    column = pages.Column.__new__(pages.Column)
+    column.dtype, column.dictionary = np.dtype("<f4"), np.arange(3, dtype="<f4")
+    raw = memoryview(bytes([2, 1 << 1 | 1]) + _packed(np.array([0, 1, 2, 3]), 2))
+    with pytest.raises(pages.Unsupported, match="out of range"):
+        column._values(raw, 8, 4)
+    np.testing.assert_array_equal(column._values(raw, 8, 3), [0, 1, 2])
+
+
+@pytest.mark.parametrize("width", [1, 7, 19, 32])
+def test_hybrid_longest_runs_back_to_back(width):
+    # Arrow's long literal stretches: 63-group runs one after another, taken at once; here
+    # four of them (values end inside the fourth), then an RLE run, then three more, the
+    # third cut off by the end of the bytes (read one by one).
+    rng = np.random.default_rng(width)
+    runs = [rng.integers(0, 1 << width, 504, dtype=np.uint64) for _ in range(7)]
+    head, nbytes = bytes([63 << 1 | 1]), (width + 7) // 8
+    first = b"".join(head + _packed(r, width) for r in runs[:4])
+    rle = bytes([9 << 1]) + (1).to_bytes(nbytes, "little")
+    rest = b"".join(head + _packed(r, width) for r in runs[4:])
+    want = np.concatenate(runs[:4]).astype(np.uint64)
+    got = pages.hybrid(memoryview(first + rle), 0, len(first), width, 3 * 504 + 100)
+    np.testing.assert_array_equal(got.astype(np.uint64), want[: 3 * 504 + 100])
+    buf = first + rle + rest
+    end = len(buf) - 63 * width + (500 * width + 7) // 8  # the last run's last 4 values gone
+    want = np.concatenate([*runs[:4], np.ones(9, np.uint64), *runs[4:]])[:-4]
+    got = pages.hybrid(memoryview(buf), 0, end, width, len(want))
+    np.testing.assert_array_equal(got.astype(np.uint64), want)
