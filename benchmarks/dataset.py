@@ -325,15 +325,21 @@ def ray_rounds(
     import psutil
     import ray
 
-    def tree_cpu() -> float:
-        total = 0.0
+    def tree_cpu() -> dict[int, float]:
+        """CPU seconds of each process of the tree (pid -> seconds)."""
+        out = {}
         for p in [psutil.Process(), *psutil.Process().children(recursive=True)]:
             try:
                 t = p.cpu_times()
             except psutil.Error:
                 continue
-            total += t.user + t.system
-        return total
+            out[p.pid] = t.user + t.system
+        return out
+
+    def cpu_since(before: dict[int, float]) -> float:
+        # Per process: an actor of the previous job that exits meanwhile takes its seconds
+        # with it and must not count against this job (nor be counted twice).
+        return sum(t - before.get(pid, 0.0) for pid, t in tree_cpu().items())
 
     tiny = work / "parquet-tiny"
     make_parquet(tiny, batch, files=1)
@@ -357,12 +363,12 @@ def ray_rounds(
             c0 = tree_cpu()
             s = ek.infer_dataset(engine, src, work / f"rb{rep}", batch, progress=False)
             result["b"].append(rows / s.seconds)
-            result["b_cpu_s"].append(tree_cpu() - c0)
+            result["b_cpu_s"].append(cpu_since(c0))
             shutil.rmtree(work / f"rb{rep}", ignore_errors=True)
             c0 = tree_cpu()
             s = ek.infer_dataset(artifact, src, work / f"rd{rep}", batch, ray=True, progress=False)
             result["d"].append(rows / s.seconds)
-            result["d_cpu_s"].append(tree_cpu() - c0)
+            result["d_cpu_s"].append(cpu_since(c0))
             result["d_first_result_s"] = s.stages.first_batch
             shutil.rmtree(work / f"rd{rep}", ignore_errors=True)
     finally:

@@ -203,6 +203,16 @@ def map_engine(
             call into the actor, turning its outputs into a block) once for all of them.
         map_batches_args: passed on to ``map_batches`` (e.g. ``max_restarts``).
     """
+    auto_threads = threads == "auto"
+    if auto_threads:
+        threads = max(1, int(num_cpus)) if not num_gpus else None
+    if threads is not None and not (
+        isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1
+    ):
+        raise UsageError(
+            f"threads {threads!r}: expected an integer >= 1 (threads per engine call in each "
+            "actor), 'auto' (the actor's num_cpus) or None (the artifact's own)"
+        )
     path = Path(artifact)
     if not path.exists():
         raise ArtifactError(f"artifact {path}: no such file or folder")
@@ -216,11 +226,6 @@ def map_engine(
     blob = [ray.put(path.read_bytes())] if ship == "bytes" else None
     if batch_size == "auto":
         batch_size = _auto_batch(dataset, path, columns or {}, max_memory, cast, device)
-    auto_threads = threads == "auto"
-    if auto_threads:
-        threads = max(1, int(num_cpus)) if not num_gpus else None
-    if threads is not None and not (isinstance(threads, int) and threads >= 1):
-        raise UsageError(f"threads {threads!r}: expected an integer >= 1, 'auto' or None")
     compute = (
         ray.data.ActorPoolStrategy(size=concurrency)
         if isinstance(concurrency, int)

@@ -164,3 +164,8 @@ def test_actor_runs_a_ray_batch_as_engine_batches(ekit):
     np.testing.assert_array_equal(
         got["output"], np.concatenate([infer({"x": x[i : i + 8]})["output"] for i in (0, 8, 16)])
     )
+
+
+def test_map_engine_refuses_a_bad_thread_count_before_touching_ray(ekit):
+    with pytest.raises(ek.errors.UsageError, match="threads 0: expected an integer >= 1"):
+        ek.ray.map_engine(None, ekit("cnn"), threads=0)
