@@ -281,8 +281,10 @@ class Column:
         self.values = meta.num_values  # level entries in the chunk: all values when none is null
         self.dictionary: np.ndarray | None = None
 
-    def pages(self) -> Iterator[np.ndarray]:
-        """Each data page's values, in order (checked: no nulls, ``values`` in all)."""
+    def pages(self, skip: int = 0) -> Iterator[np.ndarray]:
+        """Each data page's values, in order (checked: no nulls, ``values`` in all), less the
+        first ``skip``: whole pages of those are passed over undecompressed (a resumed job's
+        rows before its start), the rest cut from the first page yielded."""
         seen = 0
         while self.pos < self.end and seen < self.values:
             header, body = struct_at(self.data, self.pos)
@@ -297,14 +299,18 @@ class Column:
                 raw = self._decompress(page, header[2])
                 self.dictionary = np.frombuffer(raw, self.dtype, dph[1])
                 continue
+            if kind not in (_DATA_PAGE, _DATA_PAGE_V2):
+                continue  # index pages: nothing to read
+            count = header[5 if kind == _DATA_PAGE else 8][1]  # level entries: rows x size
+            if seen + count <= skip:
+                seen += count  # before the start: its values (and nulls) are never used
+                continue
             if kind == _DATA_PAGE:
                 values = self._page_v1(header[5], self._decompress(page, header[2]))
-            elif kind == _DATA_PAGE_V2:
-                values = self._page_v2(header[8], page, header[2])
             else:
-                continue  # index pages: nothing to read
-            seen += len(values)
-            yield values
+                values = self._page_v2(header[8], page, header[2])
+            at, seen = seen, seen + len(values)
+            yield values[max(skip - at, 0) :]
         if seen != self.values:
             raise Unsupported(f"{seen} values in the pages, {self.values} in the metadata")
 

@@ -171,12 +171,11 @@ class ParquetSource(Source):
             chunk = meta.column(leaf.index)
             if chunk.num_values != n * leaf.size:
                 raise pages.Unsupported("value count")  # nulls (or a writer we do not know)
-            readers[name] = _Values(pages.Column(data, chunk, leaf.max_def, leaf.max_rep))
+            column = pages.Column(data, chunk, leaf.max_def, leaf.max_rep)
+            readers[name] = _Values(column, skip * leaf.size)  # rows before the start: dropped
         others = [k for k in self._needed() if k not in {self.mapping[i] for i in leaves}]
         table = pf.read_row_group(g, columns=others, use_threads=False) if others else None
         cols = {k: _array(table.column(k)) for k in others} if table is not None else {}
-        for name in readers:
-            readers[name].take(skip * leaves[name].size)  # rows before the start: decoded, dropped
         for lo in range(skip, n, step):
             rows = min(step, n - lo)
             feeds = {}
@@ -205,10 +204,11 @@ class _Leaf:
 
 
 class _Values:
-    """A column chunk's values taken in runs of any length, each run one new array."""
+    """A column chunk's values from ``skip`` on, taken in runs of any length, each run one new
+    array."""
 
-    def __init__(self, column: pages.Column) -> None:
-        self.pages = column.pages()
+    def __init__(self, column: pages.Column, skip: int = 0) -> None:
+        self.pages = column.pages(skip)
         self.dtype = column.dtype
         self.left: np.ndarray = np.empty(0, column.dtype)
 
@@ -322,8 +322,8 @@ def read_group(
             if chunk.num_values != n * leaf.size:
                 continue
             try:
-                values = _Values(pages.Column(data, chunk, leaf.max_def, leaf.max_rep))
-                values.take(skip * leaf.size)
+                column = pages.Column(data, chunk, leaf.max_def, leaf.max_rep)
+                values = _Values(column, skip * leaf.size)
                 flat = values.take((n - skip) * leaf.size)
             except pages.Unsupported:
                 continue

@@ -250,3 +250,31 @@ def test_hybrid_longest_runs_back_to_back(width):
     want = np.concatenate([*runs[:4], np.ones(9, np.uint64), *runs[4:]])[:-4]
     got = pages.hybrid(memoryview(buf), 0, end, width, len(want))
     np.testing.assert_array_equal(got.astype(np.uint64), want)
+
+
+@pytest.mark.parametrize("version", ["1.0", "2.0"])
+def test_pages_before_the_start_are_not_decoded(tmp_path, monkeypatch, version):
+    # Small pages (dictionary, then PLAIN): a start inside a page, one on a page boundary.
+    x = _rows(30)
+    path = tmp_path / "d.parquet"
+    options = {"data_page_size": 256, "write_batch_size": 48, "dictionary_pagesize_limit": 512}
+    pq.write_table(
+        pa.table({"x": from_numpy(x, "list")}), path, row_group_size=30,
+        data_page_version=version, compression="zstd", **options,
+    )  # fmt: skip
+    decoded = []  # the values of each page decoded (after decompressing it)
+    real = pages.Column._values
+
+    def counted(self, raw, encoding, n):
+        decoded.append(n)
+        return real(self, raw, encoding, n)
+
+    monkeypatch.setattr(pages.Column, "_values", counted)
+    _same_as_pyarrow(path, groups_fast=(1, 0))
+    everything = len(decoded)
+    for start in (0, 7, 8, 21, 29):
+        got = _same_as_pyarrow(path, start=start, groups_fast=(1, 0))
+        np.testing.assert_array_equal(got, x[start:])
+    decoded.clear()
+    np.testing.assert_array_equal(_read(path, start=21)[0], x[21:])
+    assert len(decoded) < everything / 2
