@@ -135,3 +135,16 @@ def test_affine_grid_size_from_a_graph_input_builds(tmp_path):
     with ek.build(path, backend="tvm", shapes=shapes, verify_data=feeds) as engine:
         got = engine.infer(feeds)["grid"]
     np.testing.assert_allclose(got, reference(path, feeds)["grid"], rtol=1e-5, atol=1e-6)
+
+
+def test_rms_normalization_over_every_axis_with_a_broadcast_scale(tmp_path):
+    # TVM's rms_norm wants the scale of the normalized shape; a last-dim scale over axis 0
+    # failed to compile ("Tensor dimension mismatch in read").
+    node = helper.make_node("RMSNormalization", ["x", "scale"], ["y"], axis=0, epsilon=0.1)
+    path = _save(tmp_path, [node], {"x": (F, (2, 3, 4)), "scale": (F, (4,))}, {"y": F}, 23)
+    rng = np.random.default_rng(0)
+    feeds = {
+        "x": rng.standard_normal((2, 3, 4)).astype(np.float32),
+        "scale": rng.standard_normal(4).astype(np.float32),
+    }
+    matches_reference(path, feeds, "tvm", rtol=1e-5, atol=1e-6)

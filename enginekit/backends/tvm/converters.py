@@ -375,13 +375,14 @@ def converters() -> dict[str, Any]:
                 )
             )
 
-    from enginekit.backends.tvm import deform, resize, rnn, text, windows
+    from enginekit.backends.tvm import deform, extra, resize, rnn, text, windows
 
     return {
         **rnn.converters(),
         **windows.converters(),
         **text.converters(),
         **deform.converters(),
+        **extra.converters(),
         "CumProd": CumProd,
         "EyeLike": EyeLike,
         "SpaceToDepth": SpaceToDepth,
