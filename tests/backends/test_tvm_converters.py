@@ -148,3 +148,17 @@ def test_rms_normalization_over_every_axis_with_a_broadcast_scale(tmp_path):
         "scale": rng.standard_normal(4).astype(np.float32),
     }
     matches_reference(path, feeds, "tvm", rtol=1e-5, atol=1e-6)
+
+
+def test_pow_of_integers_and_of_mixed_types(tmp_path):
+    # TVM refused an int32 base with a float32 exponent ("same datatype") and failed to
+    # compile an integer power ("power only applies to float").
+    nodes = [
+        helper.make_node("Pow", ["i", "f"], ["mixed"]),
+        helper.make_node("Pow", ["i", "i"], ["ints"]),
+    ]
+    inputs = {"i": (TensorProto.INT32, (3,)), "f": (F, (3,))}
+    outputs = {"mixed": TensorProto.INT32, "ints": TensorProto.INT32}
+    path = _save(tmp_path, nodes, inputs, outputs, 15)
+    feeds = {"i": np.array([1, 2, 3], np.int32), "f": np.array([4.0, 5.0, 2.5], np.float32)}
+    _check(path, feeds)
