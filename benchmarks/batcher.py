@@ -39,9 +39,10 @@ Goals: at the highest rate (1.5x the ceiling: overload) the batcher sustains >= 
 ceiling (both beside the load generator); at the lowest rate its p99 latency <= max_delay + 1.5 x
 the batch-1 latency (the engine's, back to back; the median lone batch-1 call at the lowest rate,
 as the pool and the batcher see it with the engine idle between requests, is printed beside it);
-overhead <= 30 us per request. The engine runs with one intra-op thread by default (--threads):
-the ceiling runs on one core; the batcher (workers="auto" by default) runs one worker per core,
-so that a request arriving during a call runs beside it, as in the pool.
+overhead <= 30 us per request. The engine runs with one intra-op thread by default (--threads);
+the batcher (workers="auto" by default) runs one worker per core, so that a request arriving
+during a call runs beside it, as in the pool, and the ceiling runs as many offline calls at once
+as the batcher has workers (a one-call ceiling would hold a two-core batcher to one core).
 
 --trace prints, for the lowest rate, the timeline of each of the slowest 2% of requests and what
 made it slow (see batcher_trace.py).
@@ -77,6 +78,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's enginekit and corpus, not an installed one
 
 import enginekit as ek  # noqa: E402
+from enginekit.batcher.defaults import workers_for  # noqa: E402
 from enginekit.target import cpu_flags, cpu_name  # noqa: E402
 
 
@@ -231,27 +233,43 @@ def batch1_latency(engine: ek.Engine, batch: Any, seconds: float) -> float:
 
 
 def ceiling_slice(
-    engine: ek.Engine, batch: Any, rows: int, seconds: float, rate: float = 0.0
+    engine: ek.Engine, batch: Any, rows: int, seconds: float, rate: float = 0.0, streams: int = 1
 ) -> dict[str, float]:
     """Full batches already in memory, back to back: rows/s and process CPU seconds per row.
     With ``rate``, the load generator runs beside it at that rate with a submit that does
     nothing: the CPU and interpreter lock that the batcher cell's generator takes, taken from
-    the ceiling too."""
+    the ceiling too. ``streams`` threads call the engine at once: as many as the batcher has
+    workers, so a batcher running two calls at once is held against two offline calls at once
+    (one stream would be a one-core ceiling for a two-core batcher)."""
     engine.infer(batch)
     generator = None
     if rate:
         arrivals = [None] * max(int(rate * seconds), 50)
         generator = threading.Thread(target=generator_cost, args=(arrivals, rate))
+    counts = [0] * streams
+    start = time.perf_counter()
+
+    def running() -> bool:
+        return generator.is_alive() if generator else time.perf_counter() - start < seconds
+
+    def loop(k: int) -> None:
+        while counts[k] < 3 or running():
+            engine.infer(batch)
+            counts[k] += 1
+
+    callers = [threading.Thread(target=loop, args=(k,)) for k in range(1, streams)]
+    cpu = time.process_time()
+    if generator:
         generator.start()
-    calls, start, cpu = 0, time.perf_counter(), time.process_time()
-    while calls < 3 or (
-        generator.is_alive() if generator else time.perf_counter() - start < seconds
-    ):
-        engine.infer(batch)
-        calls += 1
+    for t in callers:
+        t.start()
+    loop(0)
+    for t in callers:
+        t.join()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     if generator:
         generator.join()
+    calls = sum(counts)
     return {"throughput": calls * rows / wall, "cpu_per_row": cpu / (calls * rows)}
 
 
@@ -342,11 +360,14 @@ def run_model(
     full = make(max_batch)
     b1 = batch1_latency(engine, full, args.seconds / 4)
     slice_s = args.seconds / 2
-    first = ceiling_slice(engine, full, max_batch, slice_s)
+    # The ceiling runs as many calls at once as the batcher has workers.
+    streams = workers_for(engine, args.workers)
+    first = ceiling_slice(engine, full, max_batch, slice_s, streams=streams)
     ceiling = first["throughput"]
     print(
         f"\n{name}: batch-1 latency {b1 * 1e3:.3f} ms ({1 / b1:,.0f} rows/s); ceiling at batch "
-        f"{max_batch}: {ceiling:,.0f} rows/s ({ceiling * b1:.1f}x batch 1)"
+        f"{max_batch}: {ceiling:,.0f} rows/s ({ceiling * b1:.1f}x batch 1; {streams} call(s) at once, "
+        "as many as the batcher's workers)"
     )
     print(
         f"{'rate/s':>9} {'mode':>8} {'rows/s':>9} {'ceiling':>9} {'ratio':>6} {'p50 ms':>8} "
@@ -391,7 +412,7 @@ def run_model(
         )
         top = fraction == rates[-1]
         if top:  # the goal's ceiling: with the load generator beside it, as the cell has
-            beside.append(ceiling_slice(engine, full, max_batch, slice_s, rate))
+            beside.append(ceiling_slice(engine, full, max_batch, slice_s, rate, streams))
         with ek.Batcher(
             cell_engine,
             max_batch,
@@ -424,8 +445,8 @@ def run_model(
                     lone[f"{mode}_trace"] = batcher_trace.summary(tl)
                     batcher_trace.print_summary(mode, lone[f"{mode}_trace"])
         if top:
-            beside.append(ceiling_slice(engine, full, max_batch, slice_s, rate))
-        after = ceiling_slice(engine, full, max_batch, slice_s)
+            beside.append(ceiling_slice(engine, full, max_batch, slice_s, rate, streams))
+        after = ceiling_slice(engine, full, max_batch, slice_s, streams=streams)
         local = (before["throughput"] + after["throughput"]) / 2
         local_cpu = (before["cpu_per_row"] + after["cpu_per_row"]) / 2
         before = after
