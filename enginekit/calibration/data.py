@@ -447,16 +447,24 @@ class Holdout:
     accuracy search needs that: 30 rows (every 10th of 300) cannot tell 97% from 100% (a
     97% target on 30 rows demands all 30), so plans were chosen on a fluke.
 
+    With ``fit=n``, the first ``n`` samples passed on (the calibration, or *fitting*, rows)
+    are also kept, in ``fitted``: the accuracy search estimates what it fits (bias
+    correction's channel means, the sensitivity ranking) on them, never on the held-out rows it
+    scores plans on, so that the agreement it reports is not flattered by its own fitting.
+
     Streaming: works on sources of unknown length, and decides per sample, so it holds out the
     same samples whatever the batch sizes are.
     """
 
-    def __init__(self, every: int = 10, cap: int = 512, first: int = 0) -> None:
+    def __init__(self, every: int = 10, cap: int = 512, first: int = 0, fit: int = 0) -> None:
         self.every = every
         self.cap = cap
         self.first = first
+        self.fit = fit
         self.held: list[Feeds] = []
+        self.fitted: list[Feeds] = []
         self.count = 0
+        self.fit_count = 0
         self._index = 0
 
     def split(self, stream: Iterable[Feeds]) -> Iterator[Feeds]:
@@ -475,4 +483,9 @@ class Holdout:
                 self.held.append({n: a[hold] for n, a in feeds.items()})
                 self.count += int(hold.sum())
             if not hold.all():
-                yield {n: a[~hold] for n, a in feeds.items()} if hold.any() else feeds
+                rest = {n: a[~hold] for n, a in feeds.items()} if hold.any() else feeds
+                keep = min(self.fit - self.fit_count, _rows_of(rest))
+                if keep > 0:  # copies: the batch's arrays may be reused by the source
+                    self.fitted.append({n: np.array(a[:keep]) for n, a in rest.items()})
+                    self.fit_count += keep
+                yield rest

@@ -51,6 +51,9 @@ HOLDOUT_CAP = 512
 #: ``2 * n``, then every 10th): plans are chosen on them, and 30 rows (every 10th of 300)
 #: cannot tell 97% from 100%.
 SEARCH_MIN_ROWS = 150
+#: With an accuracy target, this many calibration (fitting) samples are also kept: bias
+#: correction and the sensitivity ranking are fitted on them, the held-out rows only score.
+SEARCH_FIT_ROWS = 256
 VERIFY_CAP = 1024
 
 
@@ -147,7 +150,11 @@ def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -
         if q.calibration is not None or q.calib_data is not None:
             log.warning("the model already carries Q/DQ nodes; its own scales are used")
         return Quantized(model, entry={"source": "model (Q/DQ nodes already present)"})
-    held = Holdout(HOLDOUT_EVERY, HOLDOUT_CAP, SEARCH_MIN_ROWS if q.target is not None else 0)
+    searching = q.target is not None
+    held = Holdout(
+        HOLDOUT_EVERY, HOLDOUT_CAP, SEARCH_MIN_ROWS if searching else 0,
+        SEARCH_FIT_ROWS if searching else 0,
+    )  # fmt: skip
     equalized: dict[str, Any] | None = None
     if q.target is not None and q.target.equalize:
         model, equalized = _equalize(model, q)
@@ -170,7 +177,7 @@ def quantize(model: Model, config: BuildConfig, backend: Any, q: Quantization) -
     if equalized is not None:
         entry["equalization"] = equalized
     if q.target is not None:
-        return _search(model, config, backend, table, held.held, q, q.target, options, entry)
+        return _search(model, config, backend, table, held, q, q.target, options, entry)
     with step("writing the Q/DQ model"):
         qdq = write_qdq(model, table, allow_table_mismatch=q.allow_table_mismatch, **options)
     return Quantized(load_model(qdq), table, held.held, entry)
@@ -196,15 +203,18 @@ def _search(
     config: BuildConfig,
     backend: Any,
     table: CalibrationTable,
-    held: list[dict[str, np.ndarray]],
+    holdout: Holdout,
     q: Quantization,
     target: AccuracyTarget,
     options: Mapping[str, Any],
     entry: dict[str, Any],
 ) -> Quantized:
     """Accuracy-aware int8: the fastest plan meeting ``target`` on held-out rows (or
-    ``verify_data``), recorded in the manifest's ``calibration.accuracy_search``."""
+    ``verify_data``), recorded in the manifest's ``calibration.accuracy_search``. What the
+    search fits (bias correction, the sensitivity ranking) comes from the calibration rows
+    ``holdout`` kept, never from the rows it scores on."""
     fallback = fallback_precision(target, config.backend)
+    held = holdout.held
     rows: list[dict[str, np.ndarray]] = list(held)
     if not rows and q.verify_data is not None:
         rows = verify_batches(q.verify_data, model, config) or []
@@ -216,6 +226,7 @@ def _search(
         )
     # Batches as the model takes them (a fixed-batch model's held-out rows are re-cut).
     rows = list(batches(rows, model.inputs, DEFAULT_BATCH, None, _profile(config)))
+    fit = list(batches(holdout.fitted, model.inputs, DEFAULT_BATCH, None, _profile(config)))
 
     def write(t: CalibrationTable) -> Any:
         return write_qdq(model, t, allow_table_mismatch=q.allow_table_mismatch, **options)
@@ -226,7 +237,9 @@ def _search(
     runner = hook(config) if hook is not None else None
     runs_on = f"{config.backend} CPU" if hook is not None else "ONNX Runtime CPU"
     with step(f"searching int8 plans for {target}"):
-        result = search(model.proto, table, rows, target, write, fallback, runner, runs_on)
+        result = search(
+            model.proto, table, rows, target, write, fallback, runner, runs_on, fit_rows=fit
+        )
     entry = {**entry, "accuracy_search": result.manifest_entry(target)}
     method, *steps = result.chosen.method.split("+")
     entry["method"] = method

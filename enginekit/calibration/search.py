@@ -9,13 +9,24 @@ min_top1_agreement=0.97))`` runs :func:`search` instead of writing one Q/DQ mode
    re-rounded to keep each channel's sum (:mod:`enginekit.calibration.rounding`), then with
    its biases corrected (:mod:`enginekit.calibration.bias`), each kept if it measures better;
 2. sensitivity: each quantized layer is quantized *alone* (every other layer in float) and the
-   output error it causes is measured on held-out calibration rows. Measured alone, a layer's
+   output error it causes is measured on calibration (fitting) rows. Measured alone, a layer's
    own error shows even when many small errors add up (reverting one layer from a fully
    quantized model hides it under the others' errors);
 3. plans: the ``k`` most sensitive layers kept in float, ``k`` = 0, 1, 2, 4, ... until the
    target holds, then bisected down to the smallest passing ``k``; fastest plan first, since
    every layer kept in float costs speed. Every plan tried is reported with its agreement,
    errors and speed.
+
+Which rows feed what: everything that shapes a plan is fitted on the *calibration* rows
+(``fit_rows``: the table's ranges, bias correction's channel means, the sensitivity ranking;
+sum-preserving rounding uses no data); the *held-out* rows (``rows``) only score plans. Bias
+correction fitted on the held-out rows it was then scored on measured the very rows it had
+averaged over, flattering the reported agreement. Choosing among the scored plans is still
+selection on the held-out rows (the search's purpose), so the agreement it reports is a
+mildly optimistic estimate; the build's verification on ``verify_data``, or a benchmark's
+separate test set, is the unbiased one. Without calibration rows (a table and
+``verify_data``) bias correction is skipped and the sensitivity is measured on the scoring
+rows; the manifest says which.
 
 Plans are measured on ONNX Runtime CPU (the reference runtime every host has); the build
 then verifies the chosen plan on its own backend against the same target. Layers kept in
@@ -54,7 +65,7 @@ FALLBACKS = ("auto", "float", "bf16")
 #: compiles int8 models with an f32 inference precision; see docs/calibration.md).
 BF16_FALLBACK_BACKENDS: tuple[str, ...] = ()
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-#: Rows of held-out data the per-layer sensitivity runs on (each layer costs one run).
+#: Rows the per-layer sensitivity runs on (each layer costs one run).
 SENSITIVITY_ROWS = 32
 TIMING_RUNS = 5
 
@@ -300,6 +311,7 @@ class SearchResult:
     fallback_reason: str
     rows: int
     runs_on: str = "ONNX Runtime CPU"
+    fit_rows: int = 0  # calibration rows the fitted steps used (0: none given)
 
     def manifest_entry(self, target: AccuracyTarget) -> dict[str, Any]:
         """What the manifest records: the target, every plan tried, the layers kept in float
@@ -309,6 +321,13 @@ class SearchResult:
         return {
             "target": target.to_json(),
             "measured_on": f"{self.runs_on}, {self.rows} held-out rows",
+            "fitted_on": (
+                f"{self.fit_rows} calibration rows (bias correction, sensitivity), none of "
+                "them held out"
+                if self.fit_rows
+                else "no calibration rows: bias correction skipped, sensitivity measured on "
+                "the held-out rows"
+            ),
             "chosen": self.chosen.to_json(),
             "float_seconds": self.float_seconds,
             "fallback_precision": self.fallback,
@@ -336,19 +355,23 @@ def search(
     fallback: tuple[str, str] = ("float", "float32"),
     runner: Runner | None = None,
     runs_on: str = "ONNX Runtime CPU",
+    fit_rows: Sequence[Feeds] = (),
 ) -> SearchResult:
     """The fastest plan meeting ``target`` on ``rows`` (held-out batches), see module doc.
 
     Args:
         source: the float model.
         table: its calibration table.
-        rows: held-out batches (never seen by calibration).
+        rows: held-out batches (never seen by calibration): plans are scored on them only.
         target: what to reach.
         write: table -> Q/DQ model (:func:`~enginekit.calibration.writers.write_qdq` with the
             backend's options).
         fallback: (precision, why) of the layers kept in float, for the report.
         runner: what measures plans (default: ONNX Runtime CPU); a backend whose int8
             kernels round differently (OpenVINO) passes its own; ``runs_on`` names it.
+        fit_rows: calibration batches, disjoint from ``rows``, that bias correction and the
+            sensitivity ranking are fitted on (without them: no bias correction, and the
+            sensitivity is measured on ``rows``).
 
     Raises:
         CalibrationError: no held-out rows.
@@ -405,9 +428,9 @@ def search(
                 bases[variants[-1]] = rounded
                 best = max((best, evaluate(variants[-1], rounded, ())), key=_rank)
             for variant in variants:
-                if best.met:
+                if best.met or not fit_rows:
                     break
-                corrected, fixed = correct_bias(bases[variant], source, rows)
+                corrected, fixed = correct_bias(bases[variant], source, fit_rows)
                 if fixed:
                     label = f"{variant}+bias"
                     bases[label] = corrected
@@ -419,7 +442,7 @@ def search(
     sensitivity: list[tuple[str, float]] = []
     chosen = best if best.met else None
     if chosen is None and layers:
-        sensitivity = _sensitivity(source, base, layers, rows, runner)
+        sensitivity = _sensitivity(source, base, layers, fit_rows or rows, runner)
         costs.update(layer_macs(source, layers))
         for order in _orders(sensitivity, costs):
             found = _fallback_search(source, base, method, order, target, evaluate)
@@ -438,7 +461,7 @@ def search(
     float_seconds = float(np.median([p.float_seconds for p in plans]))
     return SearchResult(
         model, fastest, tuple(plans), tuple(sensitivity), float_seconds, *fallback,
-        count, runs_on,
+        count, runs_on, sum(_rows(f) for f in fit_rows),
     )  # fmt: skip
 
 

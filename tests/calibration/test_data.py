@@ -177,6 +177,17 @@ def test_holdout_first_holds_every_second_sample_until_it_has_enough():
         assert kept == 37 and held.count == 8
 
 
+def test_holdout_fit_keeps_the_first_calibration_samples_and_no_held_out_one():
+    data = np.arange(45, dtype=np.float32)[:, None]
+    for size in (1, 7, 45):
+        held = Holdout(every=10, cap=100, first=5, fit=6)
+        for _ in held.split(batches(data, [TensorSpec("x", "float32", ("b", 1))], size)):
+            pass
+        fitted = np.concatenate([f["x"] for f in held.fitted]).ravel().tolist()
+        assert fitted == [0, 2, 4, 6, 8, 10] and held.fit_count == 6
+        assert not set(fitted) & set(np.concatenate([f["x"] for f in held.held]).ravel())
+
+
 def test_data_hash_depends_on_the_data(tiny_cnn_path, calib_x):
     a = ek.calibrate(tiny_cnn_path, calib_x, method="minmax")
     b = ek.calibrate(tiny_cnn_path, calib_x[:32], method="minmax")

@@ -17,7 +17,7 @@ from enginekit.calibration.search import (
     wilson,
 )
 from enginekit.calibration.writers import write_qdq
-from enginekit.errors import BuildError, CalibrationError
+from enginekit.errors import BuildError, CalibrationError, VerificationError
 
 CLASSES = 6
 SHAPES = {"x": [(1, 8), (16, 8), (64, 8)]}
@@ -275,7 +275,7 @@ def test_sums_and_bias_are_tried_on_every_calibration_method():
     rows = [{"x": x[32:]}]
     found = search(
         source, table, rows, AccuracyTarget(max_abs_error=0.0, max_plans=1),
-        lambda t: write_qdq(source, t, style="onnxruntime-cpu"),
+        lambda t: write_qdq(source, t, style="onnxruntime-cpu"), fit_rows=[{"x": x[:32]}],
     )  # fmt: skip
     tried = [p.method for p in found.plans if not p.kept]
     for method in ("entropy", "percentile", "minmax"):
@@ -283,3 +283,63 @@ def test_sums_and_bias_are_tried_on_every_calibration_method():
     # the layers kept in float are chosen from the most accurate all-int8 plan
     best = min((p for p in found.plans if not p.kept), key=lambda p: p.metrics["nmse"])
     assert all(p.method == best.method for p in found.plans if p.kept)
+
+
+def test_bias_correction_and_sensitivity_are_fitted_on_calibration_rows_never_held_out(
+    monkeypatch,
+):
+    """What shapes a plan is fitted on calibration rows; the held-out rows only score it
+    (bias means taken on the rows a plan is then scored on flattered its agreement)."""
+    from test_rounding import edge_detectors
+
+    from enginekit.calibration import bias, plan
+    from enginekit.calibration import search as search_module
+
+    seen: dict[str, list] = {"bias": [], "sensitivity": [], "scored": []}
+
+    def spy(name, real, index):
+        def wrapped(*args, **kwargs):
+            seen[name].extend(args[index])
+            return real(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(search_module, "correct_bias", spy("bias", bias.correct_bias, 2))
+    monkeypatch.setattr(
+        search_module, "_sensitivity", spy("sensitivity", search_module._sensitivity, 3)
+    )
+    monkeypatch.setattr(plan, "search", spy("scored", search_module.search, 2))
+    rng = np.random.default_rng(4)
+    x = (rng.random((40, 16, 8, 8)) * 4 + 1).astype(np.float32)
+    small, large = (1, 16, 8, 8), (8, 16, 8, 8)
+    # An unreachable target, so that every fitted step runs (and verification then fails).
+    with pytest.raises(VerificationError):
+        ek.build(
+            edge_detectors(), precision="int8", shapes={"x": [small, large, large]},
+            calib_data={"x": x}, accuracy_target=AccuracyTarget(max_abs_error=0.0, max_plans=1),
+        )  # fmt: skip
+
+    def samples(batches):
+        return {row.tobytes() for feeds in batches for row in feeds["x"]}
+
+    held, every = samples(seen["scored"]), {row.tobytes() for row in x}
+    fitted_bias, fitted_sensitivity = samples(seen["bias"]), samples(seen["sensitivity"])
+    assert held and fitted_bias and fitted_sensitivity
+    assert not held & fitted_bias, "bias correction saw held-out rows"
+    assert not held & fitted_sensitivity, "the sensitivity ranking saw held-out rows"
+    assert fitted_bias <= every - held and fitted_sensitivity <= every - held
+
+
+def test_without_calibration_rows_bias_correction_is_skipped_and_the_manifest_says_so():
+    from test_rounding import edge_detectors
+
+    source = edge_detectors()
+    x = (np.random.default_rng(5).random((24, 16, 8, 8)) * 4 + 1).astype(np.float32)
+    table = ek.calibrate(source, {"x": x[:16]}, method="minmax")
+    found = search(
+        source, table, [{"x": x[16:]}], AccuracyTarget(max_abs_error=0.0, max_plans=1),
+        lambda t: write_qdq(source, t, style="onnxruntime-cpu"),
+    )  # fmt: skip
+    assert not any("bias" in p.method for p in found.plans)
+    entry = found.manifest_entry(AccuracyTarget(max_abs_error=0.0))
+    assert "bias correction skipped" in entry["fitted_on"]
