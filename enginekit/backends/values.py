@@ -19,6 +19,7 @@ a program specialized to each distinct set of values once (:class:`ProgramCache`
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -297,26 +298,59 @@ def describe(values: Mapping[str, np.ndarray]) -> str:
 
 
 class ProgramCache(Generic[T]):
-    """A thread-safe LRU of programs by :func:`key`; a miss compiles once, under the lock, so
-    two threads asking for the same new values never compile it twice."""
+    """A thread-safe LRU of programs by :func:`key`.
+
+    A miss compiles outside the lock, once per key: the first thread to miss a key registers a
+    future for it, compiles, and publishes the program (or the error) to every thread that asked
+    for that key meanwhile. Threads whose keys are cached, or that compile other keys, do not
+    wait for it: a TVM compile takes seconds. A failed compile is not remembered (the next call
+    compiles again). Keys being compiled are not in the LRU yet, so eviction never drops one
+    from under its waiters; the program joins the LRU, as its most recent entry, when it is
+    made.
+    """
 
     def __init__(self, size: int = CACHE_SIZE) -> None:
         self.size = size
         self._items: collections.OrderedDict[Key, T] = collections.OrderedDict()
+        self._compiling: dict[Key, concurrent.futures.Future[T]] = {}
         self._lock = threading.Lock()
 
     def get(self, k: Key, make: Callable[[], T]) -> T:
-        """The program for ``k``, made by ``make()`` on a miss (evicting the oldest)."""
+        """The program for ``k``, made by ``make()`` on a miss (evicting the oldest).
+
+        Raises:
+            Exception: what ``make()`` raised, in every thread waiting for ``k``.
+        """
         with self._lock:
             found = self._items.get(k)
             if found is not None:
                 self._items.move_to_end(k)
                 return found
+            pending = self._compiling.get(k)
+            if pending is None:
+                mine: concurrent.futures.Future[T] = concurrent.futures.Future()
+                self._compiling[k] = mine
+        if pending is not None:
+            return self._wait(pending)
+        try:
             made = make()
+        except BaseException as exc:
+            with self._lock:
+                del self._compiling[k]
+            mine.set_exception(exc)
+            raise
+        with self._lock:
+            del self._compiling[k]
             self._items[k] = made
+            self._items.move_to_end(k)
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
-            return made
+        mine.set_result(made)
+        return made
+
+    def _wait(self, pending: concurrent.futures.Future[T]) -> T:
+        """The program another thread is compiling (a method so tests see a thread join it)."""
+        return pending.result()
 
     def put(self, k: Key, program: T) -> None:
         """Seed the cache (the programs compiled at build)."""
@@ -325,11 +359,13 @@ class ProgramCache(Generic[T]):
             self._items.move_to_end(k)
 
     def __len__(self) -> int:
+        """How many programs are held (those still compiling are not counted)."""
         with self._lock:
             return len(self._items)
 
     def items(self) -> list[tuple[Key, T]]:
-        """(key, program) pairs, least recently used first."""
+        """(key, program) pairs, least recently used first (those still compiling are not
+        listed)."""
         with self._lock:
             return list(self._items.items())
 

@@ -8,8 +8,10 @@ TVM's importer reads as a constant) are bound as ONNX
 initializers before the import, so the usual pipeline compiles a static-shape program for the
 build's example values (the first verification point's, so verification runs it). The artifact
 keeps ``model.onnx`` too; at inference the engine reads those inputs on the host and compiles a
-program for each new set of values once (:class:`Compiler`, an LRU of
-:data:`~enginekit.backends.values.CACHE_SIZE` per engine). See docs/backends/tvm.md.
+program for each new set of values once (:class:`Compiler`, into the shared
+:class:`~enginekit.backends.values.ProgramCache`: an LRU of
+:data:`~enginekit.backends.values.CACHE_SIZE` per engine, compiling outside its lock). See
+docs/backends/tvm.md.
 """
 
 from __future__ import annotations

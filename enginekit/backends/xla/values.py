@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -136,6 +137,9 @@ class Specializer:
         self._put = put
         # Weak: a weight goes when the last program holding it leaves the cache.
         self._shared: weakref.WeakValueDictionary[Any, Any] = weakref.WeakValueDictionary()
+        # Programs for different values compile at once (ProgramCache compiles outside its
+        # lock): without this, two could each put the same weight on the device.
+        self._sharing = threading.Lock()
 
     def proto(self) -> onnx.ModelProto:
         """The ONNX model, parsed on first use."""
@@ -163,9 +167,10 @@ class Specializer:
         out = []
         for name, w in zip(names, weights):
             k = (name, w.dtype.str, tuple(w.shape), hashlib.sha1(w.tobytes()).hexdigest())
-            found = self._shared.get(k)
-            if found is None:
-                found = self._put(w)
-                self._shared[k] = found
+            with self._sharing:
+                found = self._shared.get(k)
+                if found is None:
+                    found = self._put(w)
+                    self._shared[k] = found
             out.append(found)
         return out

@@ -204,3 +204,41 @@ def test_model_without_inputs_builds(tmp_path):
     path.write_bytes(model.SerializeToString())
     with ek.build(str(path), backend="xla") as engine:
         np.testing.assert_array_equal(engine.infer({})["y"], [1.0, 2.0])
+
+
+def test_compiling_new_values_does_not_hold_up_values_already_compiled(monkeypatch):
+    """While one thread compiles a program for new values, another thread's call for the
+    build's values runs at once (the compile used to hold the cache's lock)."""
+    import threading
+
+    engine = ek.build(
+        _reshape_model(), backend="xla", shapes={"x": (2, 6), "shape": (2,)}, simplify=False
+    )
+    started, release = threading.Event(), threading.Event()
+    specialize = engine._specializer
+
+    def blocked(held, specs):
+        started.set()
+        assert release.wait(120)  # longer than the join below: a held lock fails the assert
+        return specialize(held, specs)
+
+    monkeypatch.setattr(engine, "_specializer", blocked)
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    got: dict[str, tuple[int, ...]] = {}
+
+    def infer(target: list[int]) -> None:
+        got[str(target)] = engine.infer({"x": x, "shape": np.array(target)})["y"].shape
+
+    new = threading.Thread(target=infer, args=([3, 4],))
+    new.start()
+    try:
+        assert started.wait(60)
+        built = threading.Thread(target=infer, args=([2, 6],))
+        built.start()
+        built.join(30)
+        assert not built.is_alive() and got == {"[2, 6]": (2, 6)}
+    finally:
+        release.set()
+    new.join(120)
+    assert got == {"[2, 6]": (2, 6), "[3, 4]": (3, 4)}
+    engine.close()
