@@ -40,9 +40,10 @@ ceiling (both beside the load generator); at the lowest rate its p99 latency <= 
 the batch-1 latency (the engine's, back to back; the median lone batch-1 call at the lowest rate,
 as the pool and the batcher see it with the engine idle between requests, is printed beside it);
 overhead <= 30 us per request. The engine runs with one intra-op thread by default (--threads);
-the batcher (workers="auto" by default) runs one worker per core, so that a request arriving
-during a call runs beside it, as in the pool, and the ceiling runs as many offline calls at once
-as the batcher has workers (a one-call ceiling would hold a two-core batcher to one core).
+the batcher runs the Batcher's default one worker (--workers auto: one per core, so that a
+request arriving during a call runs beside it, as in the pool), and the ceiling runs as many
+offline calls at once as the batcher has workers (a one-call ceiling would hold a two-worker
+batcher to one core).
 
 --trace prints, for the lowest rate, the timeline of each of the slowest 2% of requests and what
 made it slow (see batcher_trace.py).
@@ -634,9 +635,9 @@ def main() -> None:
     p.add_argument(
         "--workers",
         type=workers_arg,
-        default="auto",
-        help="batcher worker threads: 'auto' (default, the Batcher's default: one per call the "
-        "engine runs at once, i.e. one per core for a 1-thread ONNX Runtime engine) or a count",
+        default=1,
+        help="batcher worker threads: a count (default 1, the Batcher's default) or 'auto' (one "
+        "per call the engine runs at once, i.e. one per core for a 1-thread ONNX Runtime engine)",
     )
     p.add_argument(
         "--trace",

@@ -65,9 +65,10 @@ class Batcher:
         max_queue: the most requests waiting; one more raises QueueFull at submit.
         timeout_ms: default deadline of a request, from submit (None: none). A request still
             queued at its deadline fails with DeadlineExceeded.
-        workers: engine threads ("auto", the default: as many as calls the engine runs at
-            once by its own build — an ONNX Runtime CPU engine with ``intra_op_threads=k``
-            gets ``cores // k``, an OpenVINO engine one per CPU stream, any other engine 1).
+        workers: engine threads (default 1: one batch at a time; "auto": as many as calls
+            the engine runs at once by its own build — an ONNX Runtime CPU engine with
+            ``intra_op_threads=k`` gets ``cores // k``, an OpenVINO engine one per CPU stream,
+            any other engine 1).
         adaptive: send a batch before the window ends when waiting is not expected to pay
             (measured engine time against arrivals); False waits out every window.
         preferred_sizes: batch sizes to form when more rows wait ("auto": the engine's padding
@@ -90,7 +91,7 @@ class Batcher:
         *,
         max_queue: int = 1024,
         timeout_ms: float | None = None,
-        workers: int | str = "auto",
+        workers: int | str = 1,
         adaptive: bool = True,
         preferred_sizes: Sequence[int] | str = "auto",
         starvation_ms: float | None = None,

@@ -70,11 +70,11 @@ def test_auto_follows_what_the_engine_build_says(cnn, monkeypatch):
     for label, (manifest, expected) in claims.items():
         engine = Blocking(cnn, manifest)
         assert engine_concurrency(engine) == expected, label
-        with ek.Batcher(engine) as batcher:
+        with ek.Batcher(engine, workers="auto") as batcher:
             assert batcher.workers == expected, label
             assert batcher.stats()["workers"] == expected
-    with ek.Batcher(Blocking(cnn, ort_cpu(1)), workers=1) as batcher:
-        assert batcher.workers == 1  # an explicit count wins
+    with ek.Batcher(Blocking(cnn, ort_cpu(1))) as batcher:
+        assert batcher.workers == 1  # the default: one batch at a time, whatever the build
 
 
 def test_a_real_one_thread_build_gets_a_worker_per_core(onnx_model):
@@ -95,7 +95,7 @@ def test_a_request_arriving_during_a_call_runs_beside_it(cnn, monkeypatch):
     engine = Blocking(cnn, ort_cpu(1))
     x = rows(2)
     x[0, 0, 0, 0] = BLOCK
-    with ek.Batcher(engine, max_delay_ms=1.0) as batcher:
+    with ek.Batcher(engine, max_delay_ms=1.0, workers="auto") as batcher:
         assert batcher.workers == 2
         first = batcher.submit(x[0])
         assert engine.blocked.wait(10)
