@@ -80,6 +80,31 @@ def matches_reference(
         np.testing.assert_allclose(got[name], want, rtol=rtol, atol=atol, err_msg=name)
 
 
+def save_graph(
+    tmp_path: Path,
+    nodes: list,
+    inputs: dict[str, tuple[int, Any]],
+    outputs: dict[str, int],
+    opset: int,
+    init: Any = (),
+) -> Path:
+    """A one-graph ONNX model of ``nodes`` saved as ``tmp_path/m.onnx``: ``inputs`` maps
+    name -> (element type, shape), ``outputs`` name -> element type (shape left to inference)."""
+    import onnx
+    from onnx import helper
+
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, t, s) for n, (t, s) in inputs.items()],
+        [helper.make_tensor_value_info(n, t, None) for n, t in outputs.items()],
+        list(init),
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def mlp_path(onnx_model) -> Path:
     return onnx_model("mlp")

@@ -147,18 +147,8 @@ def cmd_infer(args: argparse.Namespace) -> int:
         if not sep or not key or not value:
             raise UsageError(f"--column {spec!r}: expected INPUT=COLUMN")
         columns[key] = value
-    batch: Any = args.batch_size
-    if batch != "auto":
-        try:
-            batch = int(batch)
-        except ValueError:
-            raise UsageError(f"--batch-size {batch!r}: expected an integer or 'auto'") from None
-    streams: Any = args.streams
-    if streams != "auto":
-        try:
-            streams = int(streams)
-        except ValueError:
-            raise UsageError(f"--streams {streams!r}: expected an integer or 'auto'") from None
+    batch = _count_or_auto("--batch-size", args.batch_size)
+    streams = _count_or_auto("--streams", args.streams)
     summary = infer_dataset(
         args.artifact,
         args.source,
@@ -205,3 +195,13 @@ def cmd_infer(args: argparse.Namespace) -> int:
         lines.append(s.stages.describe())
     report(args, s.to_json(), "\n".join(lines))
     return EXIT_OK
+
+
+def _count_or_auto(flag: str, value: str) -> int | str:
+    """A flag's value: "auto", or an integer (a UsageError naming the flag otherwise)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"{flag} {value!r}: expected an integer or 'auto'") from None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import matches_reference, reference
+from conftest import matches_reference, reference, save_graph
 from onnx import TensorProto, helper
 
 import enginekit as ek
@@ -17,26 +17,15 @@ pytest.importorskip("tvm", reason="the tvm backend needs apache-tvm")
 F = TensorProto.FLOAT
 
 
-def _save(tmp_path, nodes, inputs, outputs, opset, init=()):
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info(n, t, s) for n, (t, s) in inputs.items()],
-        [helper.make_tensor_value_info(n, t, None) for n, t in outputs.items()],
-        list(init),
-    )
-    path = tmp_path / "m.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), path)
-    return path
-
-
 def _check(path, feeds):
     matches_reference(path, feeds, "tvm", rtol=1e-5, atol=1e-7)
 
 
 def test_mish_keeps_tiny_values(tmp_path):
     # log(1 + e^x) is 0 in float32 for x < -17: mish was 0 instead of ~x e^x.
-    path = _save(tmp_path, [helper.make_node("Mish", ["x"], ["y"])], {"x": (F, (4,))}, {"y": F}, 18)
+    path = save_graph(
+        tmp_path, [helper.make_node("Mish", ["x"], ["y"])], {"x": (F, (4,))}, {"y": F}, 18
+    )
     _check(path, {"x": np.array([-30.0, -18.0, 0.5, 3.0], np.float32)})
 
 
@@ -49,7 +38,7 @@ def test_cumprod_lp_normalization_and_reverse_sequence_convert(tmp_path):
         helper.make_node("ReverseSequence", ["x", "lens"], ["r"], batch_axis=0, time_axis=1),
     ]
     inputs = {"x": (F, (2, 3)), "lens": (TensorProto.INT64, (2,))}
-    path = _save(tmp_path, nodes, inputs, {"c": F, "n": F, "r": F}, 26, [axis])
+    path = save_graph(tmp_path, nodes, inputs, {"c": F, "n": F, "r": F}, 26, [axis])
     x = np.array([[1.0, -2.0, 3.0], [0.0, 0.5, 4.0]], np.float32)
     _check(path, {"x": x, "lens": np.array([3, 2], np.int64)})
 
@@ -58,7 +47,7 @@ def test_non_max_suppression_is_refused_before_compiling(tmp_path):
     # Its output's length depends on the scores; TVM failed deep in compilation (flat_map_).
     node = helper.make_node("NonMaxSuppression", ["boxes", "scores"], ["sel"], name="nms")
     inputs = {"boxes": (F, (1, 4, 4)), "scores": (F, (1, 1, 4))}
-    path = _save(tmp_path, [node], inputs, {"sel": TensorProto.INT64}, 11)
+    path = save_graph(tmp_path, [node], inputs, {"sel": TensorProto.INT64}, 11)
     with pytest.raises(BuildError, match=r"op 'NonMaxSuppression' at node 'nms'.*depends on"):
         ek.build(path, backend="tvm", shapes={"boxes": [(1, 4, 4)] * 3, "scores": [(1, 1, 4)] * 3})
 
@@ -72,7 +61,7 @@ def test_reduce_max_of_all_minus_infinity_is_minus_infinity(tmp_path):
         helper.make_node("Equal", ["m", "ninf"], ["e"]),
         helper.make_node("Cast", ["e"], ["y"], to=F),
     ]
-    path = _save(tmp_path, nodes, {"x": (F, (3, 2))}, {"m": F, "y": F}, 17, init)
+    path = save_graph(tmp_path, nodes, {"x": (F, (3, 2))}, {"m": F, "y": F}, 17, init)
     lowest = np.finfo(np.float32).min
     _check(path, {"x": np.array([[-np.inf, -np.inf], [lowest, -np.inf], [1, 2]], np.float32)})
 
@@ -87,7 +76,7 @@ def test_space_to_depth_crd_bit_shift_past_width_and_bit_cast(tmp_path):
         helper.make_node("BitCast", ["a"], ["f"], to=F),
     ]
     inputs = {"x": (F, (1, 2, 2, 4)), "a": (i32, (4,)), "b": (i32, (4,))}
-    path = _save(tmp_path, nodes, inputs, {"s": F, "r": i32, "f": F}, 28)
+    path = save_graph(tmp_path, nodes, inputs, {"s": F, "r": i32, "f": F}, 28)
     x = np.arange(16, dtype=np.float32).reshape(1, 2, 2, 4)
     a = np.array([-8, 4, -1, 1065353216], np.int32)  # the last one is 1.0's bits
     _check(path, {"x": x, "a": a, "b": np.array([32, 33, -1, 2], np.int32)})
@@ -97,7 +86,9 @@ def test_a_string_input_is_refused_naming_op_node_and_input(tmp_path):
     # TVM has no string type; its importer failed with "unknown dtype `object`".
     s = TensorProto.STRING
     node = helper.make_node("Equal", ["x", "y"], ["z"], name="same")
-    path = _save(tmp_path, [node], {"x": (s, (2,)), "y": (s, (2,))}, {"z": TensorProto.BOOL}, 19)
+    path = save_graph(
+        tmp_path, [node], {"x": (s, (2,)), "y": (s, (2,))}, {"z": TensorProto.BOOL}, 19
+    )
     with pytest.raises(BuildError, match=r"op 'Equal' at node 'same'.*input 'x' is a string"):
         ek.build(path, backend="tvm", shapes={"x": [(2,)] * 3, "y": [(2,)] * 3})
 
@@ -105,7 +96,7 @@ def test_a_string_input_is_refused_naming_op_node_and_input(tmp_path):
 def test_eye_like_takes_its_dtype_attribute(tmp_path):
     # TVM refused a dtype other than the input's ("dtype mismatch between input (int32)...").
     node = helper.make_node("EyeLike", ["x"], ["y"], dtype=F, k=1)
-    path = _save(tmp_path, [node], {"x": (TensorProto.INT32, (3, 4))}, {"y": F}, 9)
+    path = save_graph(tmp_path, [node], {"x": (TensorProto.INT32, (3, 4))}, {"y": F}, 9)
     _check(path, {"x": np.zeros((3, 4), np.int32)})
 
 
@@ -118,7 +109,7 @@ def test_reduce_min_of_bools_and_of_an_empty_set(tmp_path):
         helper.make_node("ReduceMin", ["e", "axes"], ["emin"], keepdims=1),
     ]
     inputs = {"b": (TensorProto.BOOL, (2, 3)), "e": (F, (2, 0, 4))}
-    path = _save(tmp_path, nodes, inputs, {"bmin": TensorProto.BOOL, "emin": F}, 20, [axes])
+    path = save_graph(tmp_path, nodes, inputs, {"bmin": TensorProto.BOOL, "emin": F}, 20, [axes])
     b = np.array([[True, False, True], [True, True, True]])
     _check(path, {"b": b, "e": np.zeros((2, 0, 4), np.float32)})
 
@@ -128,7 +119,7 @@ def test_affine_grid_size_from_a_graph_input_builds(tmp_path):
     # AffineGrid divided by zero at build, before verification could ask for verify_data.
     node = helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=1)
     inputs = {"theta": (F, (2, 2, 3)), "size": (TensorProto.INT64, (4,))}
-    path = _save(tmp_path, [node], inputs, {"grid": F}, 20)
+    path = save_graph(tmp_path, [node], inputs, {"grid": F}, 20)
     theta = np.random.default_rng(0).standard_normal((2, 2, 3)).astype(np.float32)
     feeds = {"theta": theta, "size": np.array([2, 3, 4, 5], np.int64)}
     shapes = {k: [v.shape] * 3 for k, v in feeds.items()}
@@ -141,7 +132,7 @@ def test_rms_normalization_over_every_axis_with_a_broadcast_scale(tmp_path):
     # TVM's rms_norm wants the scale of the normalized shape; a last-dim scale over axis 0
     # failed to compile ("Tensor dimension mismatch in read").
     node = helper.make_node("RMSNormalization", ["x", "scale"], ["y"], axis=0, epsilon=0.1)
-    path = _save(tmp_path, [node], {"x": (F, (2, 3, 4)), "scale": (F, (4,))}, {"y": F}, 23)
+    path = save_graph(tmp_path, [node], {"x": (F, (2, 3, 4)), "scale": (F, (4,))}, {"y": F}, 23)
     rng = np.random.default_rng(0)
     feeds = {
         "x": rng.standard_normal((2, 3, 4)).astype(np.float32),
@@ -159,6 +150,6 @@ def test_pow_of_integers_and_of_mixed_types(tmp_path):
     ]
     inputs = {"i": (TensorProto.INT32, (3,)), "f": (F, (3,))}
     outputs = {"mixed": TensorProto.INT32, "ints": TensorProto.INT32}
-    path = _save(tmp_path, nodes, inputs, outputs, 15)
+    path = save_graph(tmp_path, nodes, inputs, outputs, 15)
     feeds = {"i": np.array([1, 2, 3], np.int32), "f": np.array([4.0, 5.0, 2.5], np.float32)}
     _check(path, feeds)

@@ -4,9 +4,8 @@ which TVM 0.27's Relax importer has no converter for ("cannot convert op")."""
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
-from conftest import matches_reference, reference
+from conftest import matches_reference, reference, save_graph
 from onnx import TensorProto, helper, numpy_helper
 
 import enginekit as ek
@@ -15,19 +14,6 @@ from enginekit.backends.tvm.windows import col2im_matrix
 pytest.importorskip("tvm", reason="the tvm backend needs apache-tvm")
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
-
-
-def _save(tmp_path, nodes, inputs, outputs, opset, init=()):
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info(n, t, s) for n, (t, s) in inputs.items()],
-        [helper.make_tensor_value_info(n, t, None) for n, t in outputs.items()],
-        list(init),
-    )
-    path = tmp_path / "m.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), path)
-    return path
 
 
 def test_col2im_matrix_sums_overlapping_blocks():
@@ -58,7 +44,7 @@ def test_col2im_and_tensor_scatter_convert(tmp_path):
         "update": (F, (2, 2, 2, 3)),
         "at": (I64, (2,)),
     }
-    path = _save(tmp_path, nodes, inputs, {"img": F, "lin": F, "circ": F}, 24, init)
+    path = save_graph(tmp_path, nodes, inputs, {"img": F, "lin": F, "circ": F}, 24, init)
     rng = np.random.default_rng(0)
     feeds = {
         "cols": rng.standard_normal((1, 12, 15)).astype(np.float32),
@@ -75,7 +61,7 @@ def test_col2im_shapes_from_graph_inputs_build(tmp_path):
     # verify_data; it is compiled for fitting values, the given ones at inference.
     node = helper.make_node("Col2Im", ["cols", "image", "block"], ["img"], pads=[1, 1, 1, 1])
     inputs = {"cols": (F, (1, 4, 20)), "image": (I64, (2,)), "block": (I64, (2,))}
-    path = _save(tmp_path, [node], inputs, {"img": F}, 18)
+    path = save_graph(tmp_path, [node], inputs, {"img": F}, 18)
     feeds = {
         "cols": np.random.default_rng(1).standard_normal((1, 4, 20)).astype(np.float32),
         "image": np.array([3, 4], np.int64),
