@@ -30,8 +30,9 @@ class BatchTrial:
     """One measured batch size: rows per second, or why it could not run."""
 
     batch: int
-    rows_per_s: float | None
+    rows_per_s: float | None  # the best of ``measured``
     error: str | None = None
+    measured: tuple[float, ...] = ()  # rows/s of each short run, in the order they ran
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -125,7 +126,13 @@ def choose_batch_size(
 ) -> BatchChoice:
     """Measure powers of two across the engine's batch range (and its maximum) on ``sample``'s
     rows, within ``max_memory`` bytes for the pipeline's batches; return the largest batch
-    within :data:`TOLERANCE` of the best throughput."""
+    within :data:`TOLERANCE` of the best throughput.
+
+    A short measurement on a shared machine can be slowed by anything else that runs, never
+    sped up: so every size gets at least two measurements, taken at different times (a first
+    pass up the sizes, then a second pass over all of them, interleaved), and its best one
+    counts. The first pass stops past the peak only when a drop is confirmed by measuring that
+    size again."""
     lo, hi = batch_range(engine)
     one = engine.infer({k: v[:lo] for k, v in sample.items()} if len(sample) else sample)
     budget = max_memory or default_budget()
@@ -133,25 +140,45 @@ def choose_batch_size(
     cap = max(lo, budget // (COPIES * per_row))
     top = min(hi, cap)
     sizes = sorted({lo, top} | {1 << i for i in range(16) if lo <= 1 << i <= top})
-    trials: list[BatchTrial] = []
+    half = seconds / 2
+    errors: dict[int, str] = {}
+    measured: dict[int, list[float]] = {}
     oom = 0
     best = 0.0
-    for b in sizes:
-        result = bench(engine, [b], duration=seconds, warmup=0.02, rounds=1, data=dict(sample))
+
+    def measure(b: int) -> float | None:
+        result = bench(engine, [b], duration=half, warmup=0.02, rounds=1, data=dict(sample))
         r = result.results[0]
         if r.error is not None:
-            if "memory" in r.error.lower() or "allocate" in r.error.lower():
-                oom += 1
-                trials.append(BatchTrial(b, None, f"out of memory: {r.error}"))
-                break  # larger ones will not fit either: the search stops at the memory limit
-            trials.append(BatchTrial(b, None, r.error))
-            continue
+            errors[b] = r.error
+            return None
         assert r.throughput is not None
-        trials.append(BatchTrial(b, r.throughput))
-        best = max(best, r.throughput)
-        # Past the peak by a margin: larger batches only cost memory and latency.
-        if r.throughput < 0.7 * best:
+        measured.setdefault(b, []).append(r.throughput)
+        return r.throughput
+
+    for b in sizes:
+        rate = measure(b)
+        if rate is None:
+            if is_out_of_memory_text(errors[b]):
+                oom += 1
+                break  # larger ones will not fit either: the search stops at the memory limit
+            continue
+        best = max(best, rate)
+        # Past the peak by a margin (and still so when measured again): larger batches only
+        # cost memory and latency.
+        if rate < 0.7 * best and (measure(b) or 0.0) < 0.7 * best:
             break
+    # The second pass, largest first: what the first pass saw slowed is measured again at
+    # another time.
+    for b in sorted(measured, reverse=True):
+        if len(measured[b]) < 2:
+            measure(b)
+    trials = [
+        BatchTrial(b, max(measured[b]), measured=tuple(measured[b]))
+        if b in measured
+        else BatchTrial(b, None, _trial_error(errors[b]))
+        for b in sorted({*measured, *errors})
+    ]
     good = [t for t in trials if t.rows_per_s is not None]
     if not good:
         return BatchChoice(lo, tuple(trials), "no batch size ran; using the smallest", oom, cap)
@@ -160,6 +187,17 @@ def choose_batch_size(
     limit = "memory budget" if cap < hi else "largest profile batch"
     reason = (
         f"largest batch within {TOLERANCE:.0%} of the best measured throughput "
-        f"({best:.0f} rows/s) in {lo}..{top} ({limit} {top})"
+        f"({best:.0f} rows/s, the best of two or more short runs per size) in {lo}..{top} "
+        f"({limit} {top})"
     )
     return BatchChoice(chosen, tuple(trials), reason, oom, cap)
+
+
+def is_out_of_memory_text(error: str) -> bool:
+    """Whether a bench error text (see :func:`enginekit.evaluate.bench.bench`) is an allocation
+    failure."""
+    return "memory" in error.lower() or "allocate" in error.lower()
+
+
+def _trial_error(error: str) -> str:
+    return f"out of memory: {error}" if is_out_of_memory_text(error) else error

@@ -148,3 +148,58 @@ def test_parquet_reads_are_whole_batches_of_about_the_read_budget():
     assert rows % 128 == 0 and rows * 12288 <= READ_BYTES < (rows + 128) * 12288
     assert read_rows(4096, spec) == 4096  # at least one batch
     assert read_rows(3, [TensorSpec("t", "int64", ("batch", "seq"))]) % 3 == 0
+
+
+class Limited(ek.Engine):
+    """A real engine behind a device memory limit: batches above ``limit`` rows fail with the
+    allocation error a GPU gives (this host has no GPU to run out of); ``slow`` batch sizes
+    sleep on their first ``slow_runs`` calls, as a burst of load from elsewhere would."""
+
+    def __init__(self, inner: ek.Engine, limit: int, slow: int = 0, slow_runs: int = 0) -> None:
+        super().__init__(inner.inputs, inner.outputs, inner.profiles, inner.manifest)
+        self.inner, self.limit, self.slow, self.slow_runs = inner, limit, slow, slow_runs
+        self.calls: list[int] = []
+
+    def _run(self, feeds):
+        n = len(next(iter(feeds.values())))
+        self.calls.append(n)
+        if n > self.limit:
+            raise RuntimeError(f"CUDA out of memory. Tried to allocate {n} MiB")
+        if n == self.slow and self.calls.count(n) <= self.slow_runs:
+            import time
+
+            time.sleep(0.05)
+        return self.inner.infer(feeds)
+
+
+def test_batch_search_stops_at_the_memory_limit_and_records_it(ekit):
+    with ek.load(ekit("cnn")) as inner:
+        engine = Limited(inner, limit=4)
+        choice = choose_batch_size(engine, {"x": cnn_rows(8)}, seconds=0.04)
+    assert [t.batch for t in choice.trials] == [1, 2, 4, 8]
+    assert choice.oom_retries == 1 and choice.batch_size <= 4
+    assert choice.trials[-1].rows_per_s is None
+    assert choice.trials[-1].error.startswith("out of memory: ")
+    assert all(len(t.measured) >= 2 for t in choice.trials[:3])  # measured twice each
+
+
+def test_batch_search_does_not_stop_on_one_slowed_run(ekit):
+    # Batch 2's first short runs are slowed far below batch 1 (as by a burst of load): the
+    # first pass measures it again before it stops, and the search still reaches the top.
+    with ek.load(ekit("cnn")) as inner:
+        engine = Limited(inner, limit=8, slow=2, slow_runs=3)
+        choice = choose_batch_size(engine, {"x": cnn_rows(8)}, seconds=0.04)
+    assert [t.batch for t in choice.trials] == [1, 2, 4, 8]
+    two = choice.trials[1]
+    assert two.rows_per_s == max(two.measured) and min(two.measured) < two.rows_per_s
+
+
+def test_a_batch_that_runs_out_of_memory_is_halved_and_retried(ekit, tmp_path):
+    x = cnn_rows(40)
+    np.save(tmp_path / "x.npy", x)
+    with ek.load(ekit("cnn")) as inner:
+        engine = Limited(inner, limit=4)
+        s = ek.infer_dataset(engine, tmp_path / "x.npy", tmp_path / "out", batch_size=8)
+        ref = naive(inner, {"x": x}, 4)
+    assert s.oom_retries == 5 and s.rows == 40  # each batch of 8 ran as two halves of 4
+    np.testing.assert_array_equal(read_output(tmp_path / "out")["output"], ref["output"])
