@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from enginekit import backends, target
 from enginekit.artifact import (
     FORMAT_VERSION,
@@ -213,6 +215,9 @@ def build(
     checked = _load_and_check(model, request)
     quantized = _quantize(checked, request)
     graph = _prepare_graph(checked, quantized, config)
+    data = _verify_batches(request, graph)
+    if data:  # programs specialized to input values: compile the one verification runs
+        config = dataclasses.replace(config, verify_example=data[0])
     workdir = Path(tempfile.mkdtemp(prefix="enginekit-build-"))
     try:
         compiled = _compile(checked, graph, config, workdir)
@@ -222,7 +227,7 @@ def build(
         staged = _stage(compiled, manifest)
         with native_stderr(_what(checked, config)):
             engine = checked.backend.load(staged, config.device)
-            report = _verify(engine, request, checked, graph)
+            report = _verify(engine, request, checked, graph, data)
         return _write(engine, {**staged.manifest, "verify": report}, compiled, output)
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -335,8 +340,21 @@ def _stage(compiled: Compiled, manifest: dict[str, Any]) -> Artifact:
     return Artifact(workdir, {**manifest, "payload": entries})
 
 
+def _verify_batches(request: Request, graph: Graph) -> list[dict[str, np.ndarray]] | None:
+    """``verify_data`` read into checked batches, for a build that verifies at fp32/fp16/bf16
+    on it (None otherwise: generated inputs, or int8's own gates)."""
+    config = request.config
+    if not config.verify or config.precision == Precision.INT8:
+        return None
+    return plan.verify_batches(request.quant.verify_data, graph.reference, config)
+
+
 def _verify(
-    engine: Engine, request: Request, checked: Checked, graph: Graph
+    engine: Engine,
+    request: Request,
+    checked: Checked,
+    graph: Graph,
+    data: list[dict[str, np.ndarray]] | None,
 ) -> dict[str, Any] | None:
     """The engine checked against its reference: accuracy gates on data for int8, otherwise
     ONNX Runtime CPU under ``config.verification`` (the scaled rule by default) on generated
@@ -355,7 +373,6 @@ def _verify(
             + "; ".join(report["failures"])
         )
     else:
-        data = plan.verify_batches(request.quant.verify_data, graph.reference, config)
         with step("verifying against ONNX Runtime CPU"):
             report = verify_engine(engine, graph.reference, config, data)
         tol = config.verification

@@ -282,6 +282,10 @@ class BuildConfig:
         options: backend-specific options (each backend documents and validates its own).
         simplify: simplify the graph before the backend builds it (enginekit.passes.simplify).
         outputs: build only the subgraph computing these tensors (empty: the model's outputs).
+        verify_example: the first batch verification will feed (from ``verify_data``), set by
+            :func:`enginekit.build`: a backend that compiles programs specialized to input
+            values (XLA, TVM) compiles the one verification runs. Not part of the config's
+            identity (neither compared nor serialized).
     """
 
     backend: str = "onnxruntime"
@@ -297,6 +301,9 @@ class BuildConfig:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     simplify: bool = True
     outputs: tuple[str, ...] = ()
+    verify_example: Mapping[str, Any] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "outputs", tuple(self.outputs))

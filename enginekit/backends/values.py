@@ -196,10 +196,15 @@ def example_values(
     profiles: Sequence[Mapping[str, ShapeProfile]],
     seed: int,
     found: Mapping[str, str],
+    given: Mapping[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """The value inputs' values in the build's first verification inputs, so verifying runs
-    the program compiled at build: shapes, sizes and indices the model accepts
+    the program compiled at build: ``given`` (the first ``verify_data`` batch,
+    :attr:`enginekit.config.BuildConfig.verify_example`) when it has them, otherwise the
+    generated inputs' shapes, sizes and indices the model accepts
     (:func:`enginekit.feeds.make_feeds`)."""
+    if given is not None and all(n in given for n in found):
+        return {n: np.asarray(given[n]) for n in found}
     from enginekit.feeds import make_feeds
     from enginekit.model import reference_session
     from enginekit.verify import verification_points

@@ -192,3 +192,16 @@ def test_an_empty_input_runs_whatever_its_pointer(tmp_path):
     assert x.ctypes.data % _ALIGN == 0 and x.flags.writeable
     with ek.build(path, backend="tvm", simplify=False, verify=False) as engine:
         np.testing.assert_array_equal(engine.infer({"x": x})["y"], np.zeros((2, 1, 4)))
+
+
+def test_verify_data_decides_the_program_compiled_at_build(tmp_path):
+    """With verify_data, the build compiles the program verification runs (its values), not
+    one for generated values and a second one for verification."""
+    path = _reshape(tmp_path)
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    data = {"x": x, "shape": np.array([3, 4], np.int64)}
+    out = tmp_path / "m.ekit"
+    with ek.build(path, backend="tvm", simplify=False, verify_data=data, output=out) as engine:
+        assert engine.programs == ["shape=[3, 4]"]
+    (stored,) = open_artifact(out).manifest["backend"]["metadata"]["value_inputs"]["programs"]
+    assert shared.from_json(stored["values"])["shape"].tolist() == [3, 4]

@@ -189,7 +189,9 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     specs = list(model.inputs)
     if found:
         values.check_sizes(found, values.max_sizes(model.inputs, config.profiles), model.label)
-        example = values.example_values(model, config.profiles, config.seed, found)
+        example = values.example_values(
+            model, config.profiles, config.seed, found, config.verify_example
+        )
         specs = [s for s in model.inputs if s.name not in found]
     has_convs = any(n.op_type in lay.ANCHORS for n in proto.graph.node)
     layouts = [opts.layout] if opts.layout != "auto" else ["nhwc", "nchw"]

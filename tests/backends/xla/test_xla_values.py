@@ -175,7 +175,7 @@ def test_example_values_that_do_not_lower_leave_compiling_to_first_use(tmp_path,
     verify_data compiles the one it needs."""
     path = tmp_path / "m.onnx"
     ek.Model.save(ek.load_model(_reshape_model()), path)
-    monkeypatch.setattr(values, "example_values", lambda *a: {"shape": np.array([5, 5])})
+    monkeypatch.setattr(values, "example_values", lambda *a, **k: {"shape": np.array([5, 5])})
     x = np.arange(12, dtype=np.float32).reshape(2, 6)
     data = {"x": x, "shape": np.array([4, 3], np.int64)}
     out = tmp_path / "m.ekit"
@@ -242,3 +242,18 @@ def test_compiling_new_values_does_not_hold_up_values_already_compiled(monkeypat
     new.join(120)
     assert got == {"[2, 6]": (2, 6), "[3, 4]": (3, 4)}
     engine.close()
+
+
+def test_verify_data_decides_the_program_compiled_at_build(tmp_path):
+    """With verify_data, the build compiles the program verification runs (its values), not
+    one for generated values and a second one for verification."""
+    path = tmp_path / "m.onnx"
+    ek.Model.save(ek.load_model(_reshape_model()), path)
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    data = {"x": x, "shape": np.array([4, 3], np.int64)}
+    out = tmp_path / "m.ekit"
+    with ek.build(path, backend="xla", shapes={"x": (2, 6)}, simplify=False, verify_data=data,
+                  output=out) as engine:  # fmt: skip
+        assert list(engine.programs) == ["shape=[4, 3]: 2x6"]
+    (stored,) = open_artifact(out).manifest["backend"]["metadata"]["value_inputs"]["programs"]
+    assert values.from_json(stored["values"])["shape"].tolist() == [4, 3]
