@@ -319,6 +319,7 @@ class ProgramCache(Generic[T]):
         self._items: collections.OrderedDict[Key, T] = collections.OrderedDict()
         self._compiling: dict[Key, concurrent.futures.Future[T]] = {}
         self._lock = threading.Lock()
+        self._cleared = False  # the engine closed: programs compiled from now on are not kept
 
     def get(self, k: Key, make: Callable[[], T]) -> T:
         """The program for ``k``, made by ``make()`` on a miss (evicting the oldest).
@@ -346,10 +347,11 @@ class ProgramCache(Generic[T]):
             raise
         with self._lock:
             del self._compiling[k]
-            self._items[k] = made
-            self._items.move_to_end(k)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            if not self._cleared:  # after clear() the callers get it, the cache does not
+                self._items[k] = made
+                self._items.move_to_end(k)
+                while len(self._items) > self.size:
+                    self._items.popitem(last=False)
         mine.set_result(made)
         return made
 
@@ -375,5 +377,8 @@ class ProgramCache(Generic[T]):
             return list(self._items.items())
 
     def clear(self) -> None:
+        """Drop every program, for good (the engine closes): one still compiling goes to the
+        calls waiting for it and is not kept."""
         with self._lock:
             self._items.clear()
+            self._cleared = True

@@ -160,3 +160,19 @@ def test_an_interrupted_compile_is_not_left_in_flight():
     with pytest.raises(KeyboardInterrupt):
         cache.get(_key(1), interrupted)
     assert cache.get(_key(1), lambda: "a") == "a"
+
+
+def test_a_compile_that_ends_after_clear_goes_to_its_callers_not_the_cache():
+    """The engine closed in the middle of a compile: the waiting call still gets its program,
+    but the emptied cache does not keep it (it would hold it until the engine is collected)."""
+    cache = _Cache()
+    slow = _Blocked("a")
+    got: list = []
+    first = _start(lambda: cache.get(_key(1), slow), got)
+    try:
+        assert slow.started.wait(_WAIT_S)
+        cache.clear()
+    finally:
+        slow.release.set()
+    _join([first])
+    assert got == ["a"] and len(cache) == 0 and cache.items() == []
