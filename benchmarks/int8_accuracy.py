@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import enginekit as ek
 from enginekit import backends, target
-from enginekit.calibration.search import wilson
+from enginekit.calibration.scoring import wilson
 
 PHOTOS = (
     "astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry",

@@ -471,11 +471,15 @@ def _accuracy_text(output: str, m: dict[str, Any]) -> str:
 def plans_text(found: dict[str, Any]) -> str:
     """The accuracy search's plans, one line each, and the layers kept in float."""
     lines = [f"accuracy search ({found['measured_on']}), every plan tried:"]
+    if found.get("criterion"):
+        lines.append(f"  a plan meets the target when {found['criterion']}")
     for p in found["plans"]:
         agree, interval = p["top1_agreement"], p.get("top1_interval")
         shown = "-" if agree is None else f"{agree:.2%}"
         if interval:
             shown += f" [{interval[0]:.1%}, {interval[1]:.1%}]"
+        if p.get("top1_lower_bound") is not None:
+            shown += f" lower bound {p['top1_lower_bound']:.1%}"
         lines.append(
             f"  {p['method']:<22} {p['float_layers']:>3} layers in float "
             f"({p.get('float_macs_share', 0.0):.0%} of MACs)  "

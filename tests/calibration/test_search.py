@@ -9,13 +9,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import enginekit as ek
-from enginekit.calibration.search import (
-    AccuracyTarget,
-    fallback_precision,
-    measure,
-    search,
-    wilson,
-)
+from enginekit.calibration.scoring import lower_bound, measure, rows_to_resolve, wilson
+from enginekit.calibration.search import AccuracyTarget, fallback_precision, search
 from enginekit.calibration.writers import write_qdq
 from enginekit.errors import BuildError, CalibrationError, VerificationError
 
@@ -343,3 +338,24 @@ def test_without_calibration_rows_bias_correction_is_skipped_and_the_manifest_sa
     assert not any("bias" in p.method for p in found.plans)
     entry = found.manifest_entry(AccuracyTarget(max_abs_error=0.0))
     assert "bias correction skipped" in entry["fitted_on"]
+
+
+def test_a_plan_meets_the_target_on_the_lower_bound_of_its_agreement_not_as_read():
+    """146 of 150 rows (97.3%) read above a 97% target but could well be below it on new
+    data: at the default 80% confidence the search asks for 148 of 150; at 0.5 the agreement
+    as read decides (the old rule)."""
+    target = AccuracyTarget(min_top1_agreement=0.97)
+    assert target.confidence == 0.8
+    read = {"top1_agreement": 146 / 150, "rows": 150, "max_abs": 0.0}
+    assert not target.met(read)
+    assert target.met({**read, "top1_agreement": 148 / 150})
+    assert AccuracyTarget(min_top1_agreement=0.97, confidence=0.5).met(read)
+    assert lower_bound(146 / 150, 150, 0.5) == pytest.approx(146 / 150)
+    assert lower_bound(148 / 150, 150, 0.8) >= 0.97 > lower_bound(147 / 150, 150, 0.8)
+    # Rows too few for any agreement to clear it: only every row agreeing is accepted.
+    assert rows_to_resolve(0.97, 0.8) == 23 and lower_bound(1.0, 20, 0.8) < 0.97
+    few = {"top1_agreement": 1.0, "rows": 20, "max_abs": 0.0}
+    assert target.met(few) and not target.met({**few, "top1_agreement": 19 / 20})
+    assert AccuracyTarget.parse("top1=0.97,confidence=0.9").confidence == 0.9
+    with pytest.raises(BuildError, match=r"confidence=1\.5: expected a probability in \[0\.5, 1\)"):
+        AccuracyTarget(min_top1_agreement=0.97, confidence=1.5)
