@@ -18,15 +18,14 @@ print(ek.profile(engine, batch=8).table())                     # per-op times, G
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
+# The light part of the API, imported with the package.
 from enginekit.backends import Availability, load
-from enginekit.batcher import Batcher
-from enginekit.build import STRATEGIES, build
-from enginekit.calibration import CalibrationTable, calibrate
-from enginekit.calibration.search import AccuracyTarget
 from enginekit.config import BuildConfig, Precision, ShapeProfile, parse_shapes
-from enginekit.dataset import ImagePreprocess, InferSummary, infer_dataset
 from enginekit.engine import Engine, TensorSpec
 from enginekit.errors import (
     ArtifactError,
@@ -45,20 +44,48 @@ from enginekit.errors import (
     UsageError,
     VerificationError,
 )
-from enginekit.evaluate.bench import bench
-from enginekit.evaluate.candidates import Candidate
-from enginekit.evaluate.choose import build_auto
-from enginekit.evaluate.compare import compare
-from enginekit.evaluate.profile import ProfileReport, profile
-from enginekit.evaluate.report import BenchResult, CompareReport
 from enginekit.export import export
-from enginekit.model import Model, load_model
-from enginekit.passes import lint_batch, make_batch_dynamic
 from enginekit.version import __version__
 
-# build() knows no strategy itself: the layers above it plug theirs in here.
-STRATEGIES["auto"] = build_auto
-del STRATEGIES, build_auto
+if TYPE_CHECKING:
+    from enginekit.batcher import Batcher
+    from enginekit.build import build
+    from enginekit.calibration import CalibrationTable, calibrate
+    from enginekit.calibration.search import AccuracyTarget
+    from enginekit.dataset import ImagePreprocess, InferSummary, infer_dataset
+    from enginekit.evaluate.bench import bench
+    from enginekit.evaluate.candidates import Candidate
+    from enginekit.evaluate.compare import compare
+    from enginekit.evaluate.profile import ProfileReport, profile
+    from enginekit.evaluate.report import BenchResult, CompareReport
+    from enginekit.model import Model, load_model
+    from enginekit.passes import lint_batch, make_batch_dynamic
+
+# The rest is imported on first use (ek.build, ek.Batcher, ...): a process that needs only part
+# of the package, such as a Ray Data actor (it imports enginekit.dataset.ray and a backend in
+# every new worker process of every job), does not pay for building, calibrating, batching and
+# evaluating on each start.
+_LAZY = {
+    "AccuracyTarget": "enginekit.calibration.search",
+    "Batcher": "enginekit.batcher",
+    "BenchResult": "enginekit.evaluate.report",
+    "CalibrationTable": "enginekit.calibration",
+    "Candidate": "enginekit.evaluate.candidates",
+    "CompareReport": "enginekit.evaluate.report",
+    "ImagePreprocess": "enginekit.dataset",
+    "InferSummary": "enginekit.dataset",
+    "Model": "enginekit.model",
+    "ProfileReport": "enginekit.evaluate.profile",
+    "bench": "enginekit.evaluate.bench",
+    "build": "enginekit.build",
+    "calibrate": "enginekit.calibration",
+    "compare": "enginekit.evaluate.compare",
+    "infer_dataset": "enginekit.dataset",
+    "lint_batch": "enginekit.passes",
+    "load_model": "enginekit.model",
+    "make_batch_dynamic": "enginekit.passes",
+    "profile": "enginekit.evaluate.profile",
+}
 
 
 def available_backends() -> list[Availability]:
@@ -69,15 +96,36 @@ def available_backends() -> list[Availability]:
 
 
 def __getattr__(name: str) -> Any:
-    # ek.ray imports Ray (an extra, and slow to import): only when first used.
-    if name == "ray":
-        import importlib
+    if name == "ray":  # ek.ray imports Ray (an extra, and slow to import)
+        value: Any = importlib.import_module("enginekit.dataset.ray")
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        raise AttributeError(f"module 'enginekit' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-        module = importlib.import_module("enginekit.dataset.ray")
-        globals()["ray"] = module
-        return module
-    raise AttributeError(f"module 'enginekit' has no attribute {name!r}")
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """The package's module type. The import system binds a submodule on its package when it
+    first imports it; for ``enginekit.build`` (from anywhere) this is where the layers above
+    build plug in their strategies (build() knows none itself), and ``ek.build`` stays the
+    function, not the module."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "build" and isinstance(value, types.ModuleType):
+            from enginekit.evaluate.choose import build_auto
+
+            value.STRATEGIES.setdefault("auto", build_auto)
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "AccuracyTarget",

@@ -266,3 +266,17 @@ def test_import_enginekit_and_its_cli_stay_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"import enginekit imported {out.stdout.strip()}"
+
+
+def test_the_lazy_api_resolves_and_build_stays_the_function():
+    # enginekit imports its heavy layers on first use; importing the submodule enginekit.build
+    # from anywhere must neither rebind ek.build to the module nor lose the "auto" strategy.
+    code = (
+        "import importlib, enginekit as ek; stages = importlib.import_module('enginekit.build'); "
+        "from enginekit.evaluate.choose import build_auto; "
+        "assert callable(ek.build) and ek.build is stages.build, ek.build; "
+        "assert stages.STRATEGIES['auto'] is build_auto; "
+        "assert all(getattr(ek, n) is not None for n in ek.__all__); print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr

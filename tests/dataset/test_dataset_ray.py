@@ -169,3 +169,28 @@ def test_actor_runs_a_ray_batch_as_engine_batches(ekit):
 def test_map_engine_refuses_a_bad_thread_count_before_touching_ray(ekit):
     with pytest.raises(ek.errors.UsageError, match="threads 0: expected an integer >= 1"):
         ek.ray.map_engine(None, ekit("cnn"), threads=0)
+
+
+def test_an_actor_process_imports_no_more_of_enginekit_than_it_runs():
+    # Each Ray Data actor is a new process that imports enginekit.dataset.ray and a backend at
+    # every job's start: the build, batcher, calibration and evaluation layers stay unloaded.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, enginekit.dataset.ray, enginekit.backends.onnxruntime; "
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('enginekit'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = set(out.stdout.split())
+    assert "enginekit.dataset.ray" in loaded
+    heavy = (
+        "build",
+        "batcher",
+        "calibration",
+        "evaluate",
+        "passes",
+        "dataset.run",
+        "dataset.autobatch",
+    )
+    assert not {m for m in loaded for h in heavy if m.startswith(f"enginekit.{h}")}
