@@ -2,7 +2,9 @@
 small BERT (transformers, random weights; skipped when transformers is not installed).
 
 Rows: ONNX Runtime (default session), TVM with enginekit's default schedules (untuned; NHWC and
-NCHW for the CNN), optionally TVM tuned with a small MetaSchedule budget. Columns: build
+NCHW for the CNN), the same with ``specialize=False`` ("dynamic only": no static-shape modules
+for batch 1 and the opt batch, so every call runs the symbolic-batch module), optionally TVM
+tuned with a small MetaSchedule budget. Columns: build
 (compile) and tuning seconds, median latency per batch size, and the ratio to ONNX Runtime
 (latency / ORT's: below 1 is faster than ORT). The host's CPU and ISA flags are printed: the
 ratios differ between AVX-512 and AVX2-only hosts.
@@ -278,6 +280,7 @@ def main() -> None:
         configs: dict[str, dict] = {
             "onnxruntime": {"backend": "onnxruntime"},
             "tvm NHWC": {"backend": "tvm", "layout": "NHWC"},
+            "tvm NHWC dynamic only": {"backend": "tvm", "layout": "NHWC", "specialize": False},
             "tvm NCHW": {"backend": "tvm", "layout": "NCHW"},
         }
         if bf16:
@@ -314,6 +317,7 @@ def main() -> None:
         bert_configs: dict[str, dict] = {
             "onnxruntime": {"backend": "onnxruntime"},
             "tvm": {"backend": "tvm"},
+            "tvm dynamic only": {"backend": "tvm", "specialize": False},
         }
         if bf16:
             bert_configs["tvm bf16"] = {"backend": "tvm", "precision": "bf16"}

@@ -202,7 +202,7 @@ def test_tuning_builds_a_static_module_and_a_reused_database_runs_no_trials(cnn_
     tune = {"trials": 7, "batch_sizes": [4]}
     first = ek.build(
         cnn_path, backend="tvm", shapes=CNN.shapes, tune=tune, tuning_db=str(db),
-        output=tmp_path / "a.ekit",
+        specialize=False, output=tmp_path / "a.ekit",
     )  # fmt: skip
     meta = first.manifest["backend"]["metadata"]
     assert meta["tuning"]["trials_run"] > 0 and meta["tuning"]["seconds"] > 0
@@ -214,7 +214,7 @@ def test_tuning_builds_a_static_module_and_a_reused_database_runs_no_trials(cnn_
     records = (db / "database_tuning_record.json").read_bytes()
     second = ek.build(
         cnn_path, backend="tvm", shapes=CNN.shapes, tune=tune, tuning_db=str(db),
-        output=tmp_path / "b.ekit",
+        specialize=False, output=tmp_path / "b.ekit",
     )  # fmt: skip
     again = second.manifest["backend"]["metadata"]["tuning"]
     assert again["trials_run"] == 0 and again["runs"]["4"]["tuned_now"] == 0

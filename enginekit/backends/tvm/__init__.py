@@ -2,7 +2,8 @@
 compiled to a shared library; optionally MetaSchedule-tuned for the batch sizes users name.
 
 Payload: ``model.so`` (symbolic batch: one module for every shape in the profiles),
-``model-b<N>.so`` (a tuned static module per tuned batch size) and ``kernels.json`` (what the
+``model-b<N>.so`` (a tuned static module per tuned batch size), ``model-static-b<N>.so``
+(an untuned static module per specialized batch size, :mod:`.specialize`) and ``kernels.json`` (what the
 program became, for ``enginekit inspect``); with value inputs (inputs whose values decide
 shapes, :mod:`.values`) also ``model.onnx``, from which each new set of values compiles its
 program at inference. Libraries are loaded only from bytes whose SHA-256
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 from enginekit import target as host
 from enginekit.backends import Availability, BuildResult
 from enginekit.config import Precision
-from enginekit.errors import ArtifactError, BackendUnavailable, BuildError, VerificationError
+from enginekit.errors import ArtifactError, BackendUnavailable, BuildError
 from enginekit.progress import step
 
 if TYPE_CHECKING:
@@ -54,6 +55,9 @@ OPTIONS = {
     "size a static module tuned with N trials (needs the tvm-tune extra); default: no tuning",
     "tuning_db": "directory of the tuning database to keep and reuse across builds (default: "
     "a temporary one, discarded)",
+    "specialize": "static-shape modules compiled besides the dynamic one, run when a batch's "
+    "shapes equal theirs: 'auto' (default: batch 1 and the profile's opt batch, other dims at "
+    "their opt), a list of batch sizes, or False (the dynamic module only; faster builds)",
     "schedule": "schedules of untuned kernels: 'enginekit' (default: parallel, vectorized, "
     "register-tiled CPU schedules), 'dlight' (TVM's DLight CPU rules only) or 'none' (TVM's "
     "naive loops; for comparison)",
@@ -137,53 +141,12 @@ def _default_batch(config: BuildConfig, model: Model) -> int:
     return 1
 
 
-def _static_shapes(model: Model, config: BuildConfig, batch: int) -> dict[str, tuple[int, ...]]:
-    """Input shapes of the static module for ``batch``: the profile's opt with its batch."""
-    from enginekit.model import concrete_shapes
-
-    profile = next(
-        (p for p in config.profiles if all(p[n].min[0] <= batch <= p[n].max[0] for n in p)),
-        None,
-    )
-    if config.profiles and profile is None:
-        ranges = "; ".join(
-            f"{n}: {p[n].min[0]}..{p[n].max[0]}" for p in config.profiles for n in list(p)[:1]
-        )
-        raise BuildError(
-            f"tune batch size {batch} lies outside every profile's batch range ({ranges}); "
-            "tune sizes the engine can be called with"
-        )
-    shapes = concrete_shapes(model.inputs, profile, "opt", batch=batch)
-    batched = [s.name for s in model.inputs if s.shape and isinstance(s.shape[0], str)]
-    return {n: ((batch,) + s[1:] if n in batched else s) for n, s in shapes.items()}
-
-
 def _cross(requirements: Mapping[str, Any], device: str) -> str | None:
     """Why the built code cannot run here (then build skips loading it), or None."""
     if requirements["kind"] == "cuda":
         return None if device.startswith("cuda") else "CUDA code built with device='cpu'"
     problems = host.missing_features(requirements)
     return "; ".join(problems) if problems else None
-
-
-def _compile(
-    mod: Any, target: Any, opts: dict[str, Any], database: Any, path: Path
-) -> tuple[list[str], set[str]]:
-    """Schedule, compile and export ``mod``; returns (tuned kernels, scheduled kernels)."""
-    from enginekit.backends.tvm import lower
-
-    executable, scheduled, tuned = lower.schedule_and_compile(
-        mod, target, opts["schedule"], database
-    )
-    done = {k["name"] for k in lower.kernel_summary(scheduled, blocks=False) if k["scheduled"]}
-    try:
-        executable.export_library(str(path))
-    except Exception as exc:
-        raise BuildError(
-            f"linking {path.name} for {target.kind.name} failed ({lower.error_line(exc)}); "
-            "a target of another architecture needs that architecture's C compiler (set CC)"
-        ) from None
-    return tuned, done
 
 
 def _lower(
@@ -193,6 +156,7 @@ def _lower(
     graph, the kernels (before scheduling), the names of the scheduled ones and the layout
     barriers (ops kept NCHW in an NHWC build)."""
     from enginekit.backends.tvm import lower
+    from enginekit.backends.tvm.specialize import compile_library
 
     layout = opts["layout"]
     with step(f"optimizing the Relax program ({layout}, constant folding, fusion)"):
@@ -200,7 +164,7 @@ def _lower(
     # Before scheduling, which rewrites the kernels in place (blocks split into init/update).
     kernels = lower.kernel_summary(fused)
     with step(f"compiling {DYNAMIC} for {target.kind.name} (dynamic batch)"):
-        _, scheduled = _compile(fused, target, opts, None, workdir / DYNAMIC)
+        _, scheduled = compile_library(fused, target, opts, None, workdir / DYNAMIC)
     return graph, kernels, scheduled, barriers
 
 
@@ -208,6 +172,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     """Import, lay out, fuse, schedule (and optionally tune) and compile the model."""
     _tvm()
     from enginekit.backends.tvm import frontend, lower, tune
+    from enginekit.backends.tvm.specialize import parse_specialize
 
     if config.precision not in (Precision.FP32, Precision.BF16):
         raise BuildError(
@@ -225,6 +190,13 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     if config.device.startswith("cuda") and requirements["kind"] != "cuda":
         raise BuildError(f"device {config.device!r} needs a CUDA target, got {target.kind.name}")
     spec = tune.parse_tune(config.options.get("tune"), _default_batch(config, model))
+    batches = parse_specialize(
+        config.options.get("specialize"),
+        model,
+        config,
+        _default_batch(config, model),
+        spec.batch_sizes if spec is not None else (),
+    )
     if spec is not None:
         tune.require_tuning_deps()
     found, example = _value_inputs(model, config)
@@ -249,9 +221,18 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     modules: list[dict[str, Any]] = [{"file": DYNAMIC, "shapes": None}]
     tuning = None
     if spec is not None:
-        modules, tuning = _tuned_modules(model, config, opts, target, spec, workdir, example)
-        files += [m["file"] for m in modules]
-        modules.insert(0, {"file": DYNAMIC, "shapes": None})
+        tuned_modules, tuning = _tuned_modules(model, config, opts, target, spec, workdir, example)
+        modules += tuned_modules
+    specialized = None
+    if batches:
+        from enginekit.backends.tvm.specialize import compile_static
+
+        verify = config.verify and not _cross(requirements, config.device)
+        static, specialized = compile_static(
+            model, config, opts, target, batches, workdir, example, verify
+        )
+        modules += static
+    files += [m["file"] for m in modules[1:]]
     summary = lower.graph_summary(graph)
     kernels = [k | {"scheduled": k["name"] in scheduled} for k in kernels]
     (workdir / KERNELS).write_text(
@@ -279,6 +260,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         "modules": modules,
         "compile_s": round(compile_s, 3),
         "tuning": tuning,
+        "specialized": specialized,
         "cross_compiled": cross,
         "value_inputs": _values_metadata(found, example),
     }
@@ -329,6 +311,7 @@ def _tuned_modules(
     example: Mapping[str, Any],
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from enginekit.backends.tvm import frontend, lower, tune
+    from enginekit.backends.tvm.specialize import compile_library, static_shapes, verify_static
 
     if target.kind.name != "llvm":
         raise BuildError("tuning is implemented for CPU (llvm) targets only")
@@ -340,7 +323,7 @@ def _tuned_modules(
     runs: dict[str, Any] = {}
     start = time.perf_counter()
     for batch in spec.batch_sizes:
-        shapes = _static_shapes(model, config, batch)
+        shapes = static_shapes(model, config, batch)
         label = f"batch {batch}"
         with step(f"tuning {label} ({spec.trials} trials)"):
             mod = frontend.import_onnx(model, shapes, values=example)
@@ -348,7 +331,9 @@ def _tuned_modules(
             runs[str(batch)] = tune.tune(fused, target, spec, db_dir, label)
         name = f"model-b{batch}.so"
         with step(f"compiling {name} with the tuned kernels"):
-            tuned, _ = _compile(fused, target, opts, tune.open_database(db_dir), workdir / name)
+            tuned, _ = compile_library(
+                fused, target, opts, tune.open_database(db_dir), workdir / name
+            )
         modules.append(
             {
                 "file": name,
@@ -358,7 +343,7 @@ def _tuned_modules(
         )
     if config.verify and not _cross(lower.target_requirements(target), config.device):
         with step("verifying the tuned modules against ONNX Runtime CPU"):
-            _verify_static(model, config, modules, workdir, example)
+            verify_static(model, config, modules, workdir, example)
     tuning = {
         "trials": spec.trials,
         "batch_sizes": list(spec.batch_sizes),
@@ -368,42 +353,6 @@ def _tuned_modules(
         "runs": runs,
     }
     return modules, tuning
-
-
-def _verify_static(
-    model: Model,
-    config: BuildConfig,
-    modules: list[dict[str, Any]],
-    workdir: Path,
-    example: Mapping[str, Any],
-) -> None:
-    """Tuned modules answer the batches verify_engine does not reach: check each here."""
-    import tvm
-    from tvm import relax
-
-    from enginekit.model import random_feeds, reference_session
-    from enginekit.verify import compare_outputs
-
-    session = reference_session(model)
-    names = [o.name for o in model.outputs]
-    atol, rtol = config.tolerance
-    for i, entry in enumerate(modules):
-        shapes = {k: tuple(v) for k, v in entry["shapes"].items()}
-        feeds = random_feeds(model.inputs, shapes, seed=config.seed + 100 + i) | dict(example)
-        ref = dict(zip(names, session.run(names, feeds)))
-        vm = relax.VirtualMachine(tvm.runtime.load_module(str(workdir / entry["file"])), tvm.cpu())
-        args = [tvm.runtime.tensor(feeds[s.name]) for s in model.inputs if s.name not in example]
-        out = vm["main"](*args)
-        values = [out] if hasattr(out, "numpy") else list(out)
-        got = {n: v.numpy() for n, v in zip(names, values)}
-        report = compare_outputs(got, ref, atol, rtol)
-        entry["verify_max_abs"] = max((r.get("max_abs", 0.0) for r in report.values()), default=0)
-        if not all(r["passed"] for r in report.values()):
-            raise VerificationError(
-                f"the tuned module {entry['file']} disagrees with ONNX Runtime past atol={atol}, "
-                f"rtol={rtol}: {report}",
-                {"passed": False, "cases": [{"shapes": entry["shapes"], "outputs": report}]},
-            )
 
 
 # -- load --------------------------------------------------------------------------------------
@@ -493,9 +442,11 @@ def inspect(artifact: Artifact, ir: bool = False) -> dict[str, Any]:
         "modules": [
             {"file": m["file"], "shapes": m.get("shapes") or "dynamic"}
             | ({"tuned_kernels": len(m["tuned_kernels"])} if "tuned_kernels" in m else {})
+            | ({"specialized": True} if m.get("specialized") else {})
             for m in meta.get("modules", [])
         ],
         "tuning": meta.get("tuning"),
+        "specialized": meta.get("specialized"),
         "value_inputs": (meta.get("value_inputs") or {}).get("inputs"),
     }
     if ir:
