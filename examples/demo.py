@@ -1,10 +1,12 @@
 """enginekit's main job, end to end: PyTorch CNN -> ONNX -> ONNX Runtime engine -> inference.
 
-Run with `make demo`. Prints how closely the engine agrees with PyTorch and its throughput.
+Run with `make demo`. Prints how closely the engine agrees with PyTorch and its throughput
+(``--seconds`` per throughput measurement, default 1). Writes into ./demo-out.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
@@ -48,6 +50,9 @@ def throughput(fn, batch: int, seconds: float = 1.0) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=1.0, help="per throughput measurement")
+    seconds = parser.parse_args().seconds
     torch.manual_seed(0)
     model = SmallCNN().eval()
     work = Path("demo-out")
@@ -79,9 +84,9 @@ def main() -> None:
         f"inference  batch of 32 -> {logits.shape}; max abs diff vs PyTorch {np.abs(logits - expected).max():.2e}, top-1 agreement {agree:.0%}"
     )
 
-    ek_rate = throughput(lambda: engine.infer(batch), len(batch))
+    ek_rate = throughput(lambda: engine.infer(batch), len(batch), seconds)
     with torch.no_grad():
-        pt_rate = throughput(lambda: model(torch.from_numpy(batch)), len(batch))
+        pt_rate = throughput(lambda: model(torch.from_numpy(batch)), len(batch), seconds)
     print(
         f"throughput enginekit {ek_rate:,.0f} images/s, PyTorch eager {pt_rate:,.0f} images/s ({ek_rate / pt_rate:.2f}x)"
     )
