@@ -118,11 +118,18 @@ class _Package(types.ModuleType):
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "build" and isinstance(value, types.ModuleType):
-            from enginekit.evaluate.choose import build_auto
-
-            value.STRATEGIES.setdefault("auto", build_auto)
+            # Registered without importing the strategy's module now: enginekit.build may be
+            # bound while enginekit.evaluate.choose (which imports it) is half initialized.
+            value.STRATEGIES.setdefault("auto", _build_auto)
             return
         super().__setattr__(name, value)
+
+
+def _build_auto(*args: Any, **kwargs: Any) -> Any:
+    """``backend="auto"``: :func:`enginekit.evaluate.choose.build_auto`, imported when used."""
+    from enginekit.evaluate.choose import build_auto
+
+    return build_auto(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _Package
