@@ -76,18 +76,19 @@ def test_map_engine_matches_infer_dataset_row_for_row(cluster, ekit, parquet):
     np.testing.assert_array_equal(got["output"], expected["output"])
 
 
-def _actor_pids() -> list[int]:
+def _engine_pids(name: str) -> list[int]:
     import psutil
 
     pids = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "MapBatches(EngineActor)" in cmd:
+        if f"MapBatches({name})" in cmd:
             pids.append(p.pid)
     return pids
 
 
-def test_killing_an_actor_mid_run_loses_and_duplicates_no_row(cluster, ekit):
+@pytest.mark.parametrize("compute", ["actors", "tasks"])
+def test_killing_an_engine_process_mid_run_loses_and_duplicates_no_row(cluster, ekit, compute):
     artifact = ekit("cnn")
     n = 600
 
@@ -100,7 +101,9 @@ def test_killing_an_actor_mid_run_loses_and_duplicates_no_row(cluster, ekit):
         return {"id": ids, "x": x.astype(np.float32)}
 
     ds = ray.data.range(n, override_num_blocks=60).map_batches(_slow_features, batch_size=None)
-    mapped = ek.ray.map_engine(ds, artifact, batch_size=4, concurrency=2, num_cpus=0.5)
+    mapped = ek.ray.map_engine(
+        ds, artifact, batch_size=4, concurrency=2, num_cpus=0.5, compute=compute
+    )
     seen: list[np.ndarray] = []
     outputs: list[np.ndarray] = []
     killed = None
@@ -108,8 +111,12 @@ def test_killing_an_actor_mid_run_loses_and_duplicates_no_row(cluster, ekit):
         seen.append(batch["id"])
         outputs.append(batch["output"])
         if killed is None and len(seen) == 3:
-            pids = _actor_pids()
-            assert pids, "no engine actor process found"
+            # A task's worker carries the task's name only while it runs one: wait for it.
+            name = "EngineActor" if compute == "actors" else "map_block"
+            deadline = time.monotonic() + 10
+            while not (pids := _engine_pids(name)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert pids, "no engine process found"
             killed = pids[0]
             os.kill(killed, signal.SIGKILL)
     assert killed is not None and sum(map(len, seen)) > 30, "the kill did not land mid-run"
