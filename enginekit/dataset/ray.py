@@ -8,7 +8,9 @@ What Ray guarantees, and what it does not (Ray 2.60, Ray Data's actor pools): Ra
 map actors with ``max_restarts=-1`` and ``max_task_retries=-1`` unless told otherwise, so when
 an actor process dies its in-flight batches are submitted again (to the restarted actor or
 another), and the output blocks of the failed attempt are never part of the dataset: in the
-*resulting dataset* every row appears exactly once. The engine call itself is at-least-once — a
+*resulting dataset* every row appears exactly once. With ``compute="tasks"`` (what
+``infer_dataset(ray=...)`` runs) its map tasks have ``max_retries=-1``: a task whose worker
+process dies runs again elsewhere, with the same guarantee. The engine call itself is at-least-once — a
 batch may run twice — which is harmless for a pure function such as ``Engine.infer`` but not for
 side effects inside the UDF. The driver is not fault tolerant: if it dies, the job is lost; Ray
 has no resume across driver restarts. ``infer_dataset(..., ray=...)`` (``enginekit infer
