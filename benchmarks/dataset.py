@@ -23,13 +23,15 @@ Each (b) row shows where its time went (the summary's stage timers) and the CPU 
 1000 rows of (b) and (c), which load on the machine disturbs less than wall-clock rates.
 
 (d) runs on a larger Parquet dataset (``--ray-rows``, default 100k rows), stated in the output:
-a Ray job pays fixed costs (starting its actor processes, importing and loading the engine in
-each) that a 20k-row job cannot amortize; the cluster itself is started before timing (as a
+a Ray job pays fixed costs (starting its worker processes, importing and loading the engine in
+each: ``--ray`` runs Ray tasks, whose processes a driver's later jobs reuse warm) that a
+20k-row job cannot amortize; the cluster itself is started before timing (as a
 user's cluster would already be running) and its start time is printed. (b) is rerun on the
 same dataset, alternating with (d). The breakdown: time to the first result (actor start, first
 read), the rate with the fixed cost taken out, and the CPU seconds of each job across all its
-processes (the driver, Ray's own, the actors: one per CPU, each with a one-thread engine and
-its reads fused in).
+processes (the driver, Ray's own, the workers: one task per CPU at a time, each with a
+one-thread engine and its reads fused in), and the CPU a new worker process spends on its
+imports and the artifact before its first block.
 
 Reading alone is measured too: the Parquet dataset read through ``ParquetSource`` (the
 reader stage of (b), nothing else running), CPU seconds per 20k rows with the page reader
@@ -321,9 +323,11 @@ def ray_rounds(
     (b) runs as ``enginekit infer`` does: from the artifact, in the streams and threads that
     ``auto`` chose, so (d) is held against the best local run, not a default-threaded engine.
 
-    Two one-batch Ray jobs first measure the fixed cost of a job (actor processes started,
-    enginekit and ONNX Runtime imported, the artifact fetched and loaded, one batch): the first
-    on the fresh cluster (cold), the second as every later job pays it. Each job's CPU seconds
+    Two one-batch Ray jobs first measure the fixed cost of a job (worker processes started,
+    Ray Data, enginekit and ONNX Runtime imported, the artifact fetched and loaded, one batch):
+    the first on the fresh cluster (cold), the second as a later job of the same driver pays it
+    (``--ray``'s tasks find their processes warm, engine loaded; an actor pool would start new
+    ones). Each job's CPU seconds
     are those of this process and every process it started (Ray's raylet, GCS, log monitor,
     workers and actors): what (d) spends beyond (b) on a host with no spare core."""
     import psutil
@@ -441,13 +445,14 @@ def print_ray(rr: dict) -> None:
         f"Ray, {rr['rows']} rows (a larger dataset: a Ray job's fixed start-up costs need rows "
         f"to amortize): (b) {f(rr['b_best'])}  (d) {f(rr['d_best'])} rows/s (best of 2 "
         f"each, alternating)\n  breakdown: cluster start {rr['cluster_start_s']:.1f} s "
-        f"(before timing); fixed cost of a job (one-batch job: actors started, engine "
-        f"loaded) {rr['job_fixed_cold_s']:.1f} s on the fresh cluster, then "
+        f"(before timing); fixed cost of a job (one-batch job: worker processes started, "
+        f"engine loaded) {rr['job_fixed_cold_s']:.1f} s on the fresh cluster, then "
         f"{rr['job_fixed_s']:.1f} s; (d)'s first result after {rr['d_first_result_s']:.1f} "
         f"s; (d) with the fixed cost taken out {f(rr['d_per_row_rate'])} rows/s "
         f"({-rr['overhead_per_row']:+.0%} vs (b))\n  CPU seconds per job (all processes): "
-        f"(b) {min(rr['b_cpu_s']):.1f}, (d) {min(rr['d_cpu_s']):.1f}\n  a new actor process "
-        f"(one per CPU, new for every job) before its first batch, CPU-s: "
+        f"(b) {min(rr['b_cpu_s']):.1f}, (d) {min(rr['d_cpu_s']):.1f}\n  a new worker process "
+        f"(one per CPU; once per driver with --ray's tasks, per dataset with an actor pool) "
+        f"before its first block, CPU-s: "
         + ", ".join(f"{k} {v:.2f}" for k, v in a.items())
         + f" (total {sum(a.values()):.2f}, beside the worker's own start)"
     )

@@ -50,12 +50,13 @@ def test_map_engine_matches_infer_dataset_row_for_row(cluster, ekit, parquet):
     local = ek.infer_dataset(artifact, parquet / "src", parquet / "local", batch_size=8)
     expected = read_output(parquet / "local")
     ds = ray.data.read_parquet(str(parquet / "src"))
-    rows = ek.ray.map_engine(ds, artifact, batch_size=8).take_all()
-    assert len(rows) == local.rows == 120
-    by_key = {r["key"]: r["output"] for r in rows}
-    assert sorted(by_key) == sorted(expected["key"].tolist())
-    for key, out in zip(expected["key"], expected["output"]):
-        np.testing.assert_array_equal(by_key[key], out)
+    for compute in ("actors", "tasks"):
+        rows = ek.ray.map_engine(ds, artifact, batch_size=8, compute=compute).take_all()
+        assert len(rows) == local.rows == 120
+        by_key = {r["key"]: r["output"] for r in rows}
+        assert sorted(by_key) == sorted(expected["key"].tolist())
+        for key, out in zip(expected["key"], expected["output"]):
+            np.testing.assert_array_equal(by_key[key], out)
     # Through infer_dataset(ray=...): Ray computes, the driver commits the same shards as a
     # local run. Here it resumes a local run that stopped after its first shard (the ledger as
     # a kill there leaves it): Ray reads only the row groups from row 32 on; the output is the
@@ -75,18 +76,19 @@ def test_map_engine_matches_infer_dataset_row_for_row(cluster, ekit, parquet):
     np.testing.assert_array_equal(got["output"], expected["output"])
 
 
-def _actor_pids() -> list[int]:
+def _engine_pids(name: str) -> list[int]:
     import psutil
 
     pids = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "MapBatches(EngineActor)" in cmd:
+        if f"MapBatches({name})" in cmd:
             pids.append(p.pid)
     return pids
 
 
-def test_killing_an_actor_mid_run_loses_and_duplicates_no_row(cluster, ekit):
+@pytest.mark.parametrize("compute", ["actors", "tasks"])
+def test_killing_an_engine_process_mid_run_loses_and_duplicates_no_row(cluster, ekit, compute):
     artifact = ekit("cnn")
     n = 600
 
@@ -99,7 +101,9 @@ def test_killing_an_actor_mid_run_loses_and_duplicates_no_row(cluster, ekit):
         return {"id": ids, "x": x.astype(np.float32)}
 
     ds = ray.data.range(n, override_num_blocks=60).map_batches(_slow_features, batch_size=None)
-    mapped = ek.ray.map_engine(ds, artifact, batch_size=4, concurrency=2, num_cpus=0.5)
+    mapped = ek.ray.map_engine(
+        ds, artifact, batch_size=4, concurrency=2, num_cpus=0.5, compute=compute
+    )
     seen: list[np.ndarray] = []
     outputs: list[np.ndarray] = []
     killed = None
@@ -107,8 +111,12 @@ def test_killing_an_actor_mid_run_loses_and_duplicates_no_row(cluster, ekit):
         seen.append(batch["id"])
         outputs.append(batch["output"])
         if killed is None and len(seen) == 3:
-            pids = _actor_pids()
-            assert pids, "no engine actor process found"
+            # A task's worker carries the task's name only while it runs one: wait for it.
+            name = "EngineActor" if compute == "actors" else "map_block"
+            deadline = time.monotonic() + 10
+            while not (pids := _engine_pids(name)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert pids, "no engine process found"
             killed = pids[0]
             os.kill(killed, signal.SIGKILL)
     assert killed is not None and sum(map(len, seen)) > 30, "the kill did not land mid-run"
@@ -148,6 +156,11 @@ def test_read_blocks_end_on_the_engine_batch_grid(cluster, ekit, parquet):
     blocks = [b["key"] for b in read_dataset(src, 10, 6).iter_batches(batch_size=None)]
     assert all(len(b) % 6 == 0 for b in blocks[:-1]) and len(blocks) > 1
     assert np.concatenate(blocks).tolist() == [f"k{j}" for j in range(10, 120)]
+    # Blocks of several row groups: each ends at the first group end (on the grid) at least
+    # 40 rows on, the last takes what is left.
+    ds = read_dataset(src, 10, 6, block_rows=40)
+    sizes = [len(b["key"]) for b in ds.iter_batches(batch_size=None)]
+    assert sizes == [42, 48, 20] and sum(sizes) == 110
 
 
 def test_actor_runs_a_ray_batch_as_engine_batches(ekit):
@@ -194,3 +207,24 @@ def test_an_actor_process_imports_no_more_of_enginekit_than_it_runs():
         "dataset.autobatch",
     )
     assert not {m for m in loaded for h in heavy if m.startswith(f"enginekit.{h}")}
+
+
+def test_a_task_process_keeps_one_engine_between_datasets(ekit, tmp_path):
+    # compute="tasks": each worker process loads the artifact on its first block and keeps it
+    # for the next blocks and datasets; another artifact (or setting) replaces it.
+    from enginekit.dataset import ray as ray_mod
+
+    artifact = ekit("cnn")
+    args = (None, str(artifact), ray_mod._sha256(artifact), {}, False, False, None, None, 1)
+    x = cnn_rows(4, seed=1)
+    ray_mod._CACHED.clear()
+    first = ray_mod.map_block({"x": x}, args)["output"]
+    (mapper,) = ray_mod._CACHED.values()
+    np.testing.assert_array_equal(ray_mod.map_block({"x": x}, args)["output"], first)
+    assert list(ray_mod._CACHED.values()) == [mapper]
+    ray_mod.map_block({"x": x}, (*args[:-1], 2))  # two threads: another engine
+    (other,) = ray_mod._CACHED.values()
+    assert other is not mapper
+    with pytest.raises(ek.errors.UsageError, match="compute 'pool': expected 'actors' or 'tasks'"):
+        ek.ray.map_engine(None, artifact, compute="pool")
+    ray_mod._CACHED.clear()
