@@ -199,3 +199,16 @@ def test_window_ops_with_a_size_fed_at_run_time(tmp_path):
         got = engine.infer(feeds)
     for name, want in reference(path, feeds).items():
         np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_float_floor_mod_by_infinity(tmp_path):
+    # TVM's floor_mod is x - floor(x / y) * y: NaN for y = +-inf, where numpy's (and ONNX
+    # Runtime's) mod(-3, inf) is inf and mod(3, inf) is 3.
+    f64 = TensorProto.DOUBLE
+    node = helper.make_node("Mod", ["x", "y"], ["z"], fmod=0)
+    inputs = {"x": (f64, (6,)), "y": (f64, (6,))}
+    # Float Mod with fmod=0 is valid from opset 28 (ONNX Runtime refuses it before).
+    path = save_graph(tmp_path, [node], inputs, {"z": f64}, onnx.defs.onnx_opset_version())
+    x = np.array([-3.0, 3.0, -1.0, 1.0, 5.5, -5.5])
+    y = np.array([np.inf, np.inf, -np.inf, -np.inf, -2.0, 2.0])
+    _check(path, {"x": x, "y": y})

@@ -7,6 +7,7 @@
 - ``Elu`` and ``Selu``: built their constants as float32, so any other float type failed
   ("Binary operators must have the same datatype"; ONNX's float16 Celu, whose body is an Elu).
 - ``OneHot``: refused ``values`` that are not a constant.
+- ``Mod`` of floats with ``fmod=0``: NaN for an infinite divisor.
 - ``HannWindow``, ``HammingWindow``, ``BlackmanWindow``: no converter; their sizes are value
   inputs (:mod:`enginekit.backends.tvm.values`), so the window is a constant.
 """
@@ -116,6 +117,23 @@ def converters() -> dict[str, Any]:
             on = bb.emit(relax.op.take(values, relax.const(1, "int64"), axis=0))
             return bb.emit(relax.op.where(hot, on, off))
 
+    class Mod(onnx_frontend.Mod):
+        """Float ``Mod`` with ``fmod=0`` (numpy's floor mod) as the truncated remainder moved
+        by ``y`` where their signs differ: TVM 0.27's ``floor_mod`` is ``x - floor(x / y) *
+        y``, NaN for an infinite ``y`` (``mod(-3, inf)`` is ``inf``, ``mod(3, inf)`` is 3)."""
+
+        @classmethod
+        def _impl_v10(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x, y = inputs[0], inputs[1]
+            dtype = str(getattr(x.ty, "dtype", ""))
+            if int(attr.get("fmod", 0)) != 0 or "float" not in dtype:
+                return super()._impl_v10(bb, inputs, attr, params)
+            rem = bb.emit(relax.op.mod(x, y))
+            zero = relax.const(0.0, dtype)
+            differ = relax.op.logical_xor(relax.op.less(rem, zero), relax.op.less(y, zero))
+            moved = relax.op.logical_and(relax.op.not_equal(rem, zero), differ)
+            return bb.emit(relax.op.where(moved, relax.op.add(rem, y), rem))
+
     def _integral(depth: Any) -> Any:
         """A float ``depth`` constant as int64 (TVM's one_hot takes an int depth)."""
         if not isinstance(depth, tvm.ir.GenericConst):
@@ -128,6 +146,7 @@ def converters() -> dict[str, Any]:
         "Elu": Elu,
         "Selu": Selu,
         "OneHot": OneHot,
+        "Mod": Mod,
         **{op: _window_converter(op, coefficients) for op, coefficients in WINDOWS.items()},
     }
 
