@@ -153,3 +153,62 @@ def test_pow_of_integers_and_of_mixed_types(tmp_path):
     path = save_graph(tmp_path, nodes, inputs, outputs, 15)
     feeds = {"i": np.array([1, 2, 3], np.int32), "f": np.array([4.0, 5.0, 2.5], np.float32)}
     _check(path, feeds)
+
+
+def test_celu_of_float16(tmp_path):
+    # Celu's body is an Elu, whose TVM converter made float32 constants: "Binary operators
+    # must have the same datatype" for float16.
+    f16 = TensorProto.FLOAT16
+    node = helper.make_node("Celu", ["x"], ["y"], alpha=2.0)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", f16, (5,))],
+        [helper.make_tensor_value_info("y", f16, (5,))],
+    )  # fmt: skip
+    path = tmp_path / "celu.onnx"
+    onnx.save(helper.make_model(graph), path)  # the newest opset, as ONNX's own case
+    x = np.array([-3.0, -0.5, 0.0, 0.25, 4.0], np.float16)
+    matches_reference(path, {"x": x}, "tvm", rtol=1e-3, atol=1e-3)
+
+
+def test_one_hot_with_run_time_values_and_a_negative_axis(tmp_path):
+    # TVM asserted "Only constant values currently supported"; its one_hot also took no
+    # negative axis but -1. A float depth truncates.
+    depth = onnx.numpy_helper.from_array(np.array(4.0, np.float32), "depth")
+    node = helper.make_node("OneHot", ["i", "depth", "v"], ["y"], axis=-2)
+    inputs = {"i": (TensorProto.INT64, (2, 3)), "v": (F, (2,))}
+    path = save_graph(tmp_path, [node], inputs, {"y": F}, 11, [depth])
+    feeds = {
+        "i": np.array([[0, 3, -1], [2, -4, 1]], np.int64),
+        "v": np.array([-1.5, 7.0], np.float32),
+    }
+    _check(path, feeds)
+
+
+def test_window_ops_with_a_size_fed_at_run_time(tmp_path):
+    # None had a converter; their expanded bodies lost the default `periodic` and
+    # `output_datatype` (an empty Constant; a Cast with no 'to'). The size is a value input.
+    nodes = [
+        helper.make_node("HammingWindow", ["n"], ["hamming"], periodic=0),
+        helper.make_node("HannWindow", ["n"], ["hann"]),
+        helper.make_node("BlackmanWindow", ["n"], ["blackman"], output_datatype=11),
+    ]
+    outputs = {"hamming": F, "hann": F, "blackman": TensorProto.DOUBLE}
+    path = save_graph(tmp_path, nodes, {"n": (TensorProto.INT32, ())}, outputs, 17)
+    feeds = {"n": np.array(7, np.int32)}
+    with ek.build(path, backend="tvm", shapes={"n": [()] * 3}, verify_data=feeds) as engine:
+        got = engine.infer(feeds)
+    for name, want in reference(path, feeds).items():
+        np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_float_floor_mod_by_infinity(tmp_path):
+    # TVM's floor_mod is x - floor(x / y) * y: NaN for y = +-inf, where numpy's (and ONNX
+    # Runtime's) mod(-3, inf) is inf and mod(3, inf) is 3.
+    f64 = TensorProto.DOUBLE
+    node = helper.make_node("Mod", ["x", "y"], ["z"], fmod=0)
+    inputs = {"x": (f64, (6,)), "y": (f64, (6,))}
+    # Float Mod with fmod=0 is valid from opset 28 (ONNX Runtime refuses it before).
+    path = save_graph(tmp_path, [node], inputs, {"z": f64}, onnx.defs.onnx_opset_version())
+    x = np.array([-3.0, 3.0, -1.0, 1.0, 5.5, -5.5])
+    y = np.array([np.inf, np.inf, -np.inf, -np.inf, -2.0, 2.0])
+    _check(path, {"x": x, "y": y})

@@ -195,3 +195,16 @@ def test_qlinear_matmul_with_float16_scales_is_rewritten(tmp_path):
     }
     with ek.build(path, backend="tvm", shapes={"a": [(2, 4)] * 3, "b": [(4, 3)] * 3}) as engine:
         np.testing.assert_array_equal(engine.infer(feeds)["y"], reference(path, feeds)["y"])
+
+
+def test_an_attribute_the_node_omits_takes_the_ops_default_in_its_body():
+    # HammingWindow's body reads @periodic into a Constant and casts to @output_datatype;
+    # without the schema's defaults they were an empty Constant and a Cast with no 'to'.
+    from enginekit.backends.tvm.expand import function_body, inline
+
+    node = helper.make_node("HammingWindow", ["n"], ["w"])
+    body = function_body(node, 17, {})
+    nodes = {n.output[0]: n for n in inline(node, body, "h_", 17)}
+    periodic = nodes["h_IsPeriodic"].attribute
+    assert [(a.name, a.i) for a in periodic] == [("value_int", 1)]
+    assert [(a.name, a.i) for a in nodes["w"].attribute] == [("to", TensorProto.FLOAT)]

@@ -118,8 +118,13 @@ def _rename_graph(graph: Any, rename: Callable[[str], str], attrs: dict[str, Any
         value.name = rename(value.name)
 
 
-def inline(node: Any, body: Any, prefix: str) -> list[Any]:
-    """``body``'s nodes wired to ``node``'s inputs and outputs (internal names prefixed)."""
+def inline(node: Any, body: Any, prefix: str, opset: int | None = None) -> list[Any]:
+    """``body``'s nodes wired to ``node``'s inputs and outputs (internal names prefixed).
+
+    An attribute reference the node does not set takes the op's default from its schema at
+    ``opset`` (as ONNX's own inliner does), not the body op's: HammingWindow's body casts
+    to ``@output_datatype`` and reads ``@periodic`` into a Constant, which without the
+    defaults were a Cast with no ``to`` and an empty Constant."""
     names = {formal: node.input[i] if i < len(node.input) else "" for i, formal in
              enumerate(body.input)}  # fmt: skip
     for i, formal in enumerate(body.output):
@@ -131,8 +136,25 @@ def inline(node: Any, body: Any, prefix: str) -> list[Any]:
             return names[name]
         return prefix + name if name else ""
 
-    attrs = {a.name: a for a in node.attribute}
+    attrs = {**_defaults(node, opset), **{a.name: a for a in node.attribute}}
     return [_renamed(n, rename, attrs) for n in body.node]
+
+
+def _defaults(node: Any, opset: int | None) -> dict[str, Any]:
+    """The attributes of ``node``'s op schema at ``opset`` that have a default, by name."""
+    import onnx
+
+    if opset is None:
+        return {}
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, domain=node.domain or "")
+    except Exception:  # not a standard op: no defaults to add
+        return {}
+    return {
+        name: attr.default_value
+        for name, attr in schema.attributes.items()
+        if attr.default_value.type != onnx.AttributeProto.UNDEFINED
+    }
 
 
 def expand_functions(proto: Any, known: Collection[str]) -> tuple[Any, list[str]]:
@@ -171,7 +193,7 @@ def expand_functions(proto: Any, known: Collection[str]) -> tuple[Any, list[str]
                 new.append(copy)
                 continue
             expanded.append(node.op_type)
-            new.extend(inline(node, body, f"{node.op_type}_{i}_r{round_}_"))
+            new.extend(inline(node, body, f"{node.op_type}_{i}_r{round_}_", opset))
             imports += [m for m in body.opset_import if (m.domain or "") not in ("", "ai.onnx")]
         if out is proto:
             out = onnx.ModelProto()

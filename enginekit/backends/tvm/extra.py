@@ -1,7 +1,15 @@
-"""enginekit's ``RMSNormalization`` and ``Pow`` converters over TVM 0.27's: its ``rms_norm``
-failed to compile a ``scale`` broadcast rather than of the normalized shape ("Tensor dimension
-mismatch in read", ONNX's axis-0 cases with a scale of the last dim only), and its Pow refused
-an exponent of another type than the base's.
+"""enginekit's converters over TVM 0.27's for single ops it gets wrong or lacks:
+
+- ``RMSNormalization``: its ``rms_norm`` failed to compile a ``scale`` broadcast rather than
+  of the normalized shape ("Tensor dimension mismatch in read", ONNX's axis-0 cases with a
+  scale of the last dim only).
+- ``Pow``: refused an exponent of another type than the base's.
+- ``Elu`` and ``Selu``: built their constants as float32, so any other float type failed
+  ("Binary operators must have the same datatype"; ONNX's float16 Celu, whose body is an Elu).
+- ``OneHot``: refused ``values`` that are not a constant.
+- ``Mod`` of floats with ``fmod=0``: NaN for an infinite divisor.
+- ``HannWindow``, ``HammingWindow``, ``BlackmanWindow``: no converter; their sizes are value
+  inputs (:mod:`enginekit.backends.tvm.values`), so the window is a constant.
 """
 
 from __future__ import annotations
@@ -10,7 +18,8 @@ from typing import Any
 
 
 def converters() -> dict[str, Any]:
-    """The ``RMSNormalization`` and ``Pow`` converters."""
+    """The converters of this module, by op type."""
+    import tvm
     from tvm import relax
     from tvm.relax.frontend.onnx import onnx_frontend
 
@@ -52,4 +61,159 @@ def converters() -> dict[str, Any]:
             wide = relax.op.power(relax.op.astype(x, "float64"), relax.op.astype(y, "float64"))
             return bb.emit(relax.op.astype(wide, str(kinds[0])))
 
-    return {"RMSNormalization": RMSNormalization, "Pow": Pow}
+    class Elu(onnx_frontend.Elu):
+        """``-alpha * relu(1 - e^x) + relu(x)`` with constants of ``x``'s type."""
+
+        @classmethod
+        def _impl_v1(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            return _elu(bb, inputs[0], float(attr.get("alpha", 1.0)), 1.0)
+
+    class Selu(onnx_frontend.Selu):
+        """``gamma * elu_alpha(x)`` with constants of ``x``'s type."""
+
+        @classmethod
+        def _impl_v1(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            alpha = float(attr.get("alpha", 1.67326319217681884765625))
+            gamma = float(attr.get("gamma", 1.05070102214813232421875))
+            return _elu(bb, inputs[0], alpha, gamma)
+
+    class OneHot(onnx_frontend.OneHot):
+        """OneHot whose ``values`` (off, on) are computed or fed at run time: a one-hot mask
+        picks between them. A constant ``depth`` is still needed (it sizes the output; it
+        is a value input, so it is one here); constant ``values`` keep TVM's conversion."""
+
+        @classmethod
+        def _impl_v11(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            depth = onnx_frontend.get_constant(inputs[1], params)
+            values = onnx_frontend.get_constant(inputs[2], params)
+            constant = isinstance(values, tvm.ir.GenericConst)
+            if constant or not isinstance(depth, tvm.ir.GenericConst):
+                if constant:
+                    inputs = onnx_frontend.onnx_input(inputs)
+                    inputs[1] = _integral(depth)
+                return super()._impl_v11(bb, inputs, attr, params)
+            size = int(depth.value.numpy().reshape(-1)[0])
+            indices = inputs[0]
+            if size < 1:
+                # An empty axis (ONNX Runtime gives one; TVM's one_hot refuses depth 0).
+                dims = list(indices.ty.shape)
+                axis = int(attr.get("axis", -1)) % (len(dims) + 1)
+                return relax.op.zeros([*dims[:axis], 0, *dims[axis:]], values.ty.dtype)
+            if "float" in str(indices.ty.dtype):
+                # ONNX Runtime casts float indices to int64 (truncating) as well.
+                indices = bb.emit(relax.op.astype(indices, "int64"))
+            kind = str(indices.ty.dtype)
+            extent = relax.const(size, kind)
+            indices = onnx_frontend._normalize_negative_indices(bb, indices, extent)
+            one, zero = (
+                relax.prim_value(tvm.tirx.IntImm("int32", 1)),
+                relax.prim_value(tvm.tirx.IntImm("int32", 0)),
+            )
+            # TOPI's one_hot takes -1 only: other negative axes counted from the output's end.
+            axis = int(attr.get("axis", -1)) % (indices.ty.ndim + 1)
+            mask = bb.emit(relax.op.one_hot(indices, one, zero, size, axis))
+            hot = bb.emit(relax.op.equal(mask, relax.const(1, "int32")))
+            off = bb.emit(relax.op.take(values, relax.const(0, "int64"), axis=0))
+            on = bb.emit(relax.op.take(values, relax.const(1, "int64"), axis=0))
+            return bb.emit(relax.op.where(hot, on, off))
+
+    class Mod(onnx_frontend.Mod):
+        """Float ``Mod`` with ``fmod=0`` (numpy's floor mod) as the truncated remainder moved
+        by ``y`` where their signs differ: TVM 0.27's ``floor_mod`` is ``x - floor(x / y) *
+        y``, NaN for an infinite ``y`` (``mod(-3, inf)`` is ``inf``, ``mod(3, inf)`` is 3)."""
+
+        @classmethod
+        def _impl_v10(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x, y = inputs[0], inputs[1]
+            dtype = str(getattr(x.ty, "dtype", ""))
+            if int(attr.get("fmod", 0)) != 0 or "float" not in dtype:
+                return super()._impl_v10(bb, inputs, attr, params)
+            rem = bb.emit(relax.op.mod(x, y))
+            zero = relax.const(0.0, dtype)
+            differ = relax.op.logical_xor(relax.op.less(rem, zero), relax.op.less(y, zero))
+            moved = relax.op.logical_and(relax.op.not_equal(rem, zero), differ)
+            return bb.emit(relax.op.where(moved, relax.op.add(rem, y), rem))
+
+    def _integral(depth: Any) -> Any:
+        """A float ``depth`` constant as int64 (TVM's one_hot takes an int depth)."""
+        if not isinstance(depth, tvm.ir.GenericConst):
+            return depth
+        return relax.const(depth.value.numpy().astype("int64"))
+
+    return {
+        "RMSNormalization": RMSNormalization,
+        "Pow": Pow,
+        "Elu": Elu,
+        "Selu": Selu,
+        "OneHot": OneHot,
+        "Mod": Mod,
+        **{op: _window_converter(op, coefficients) for op, coefficients in WINDOWS.items()},
+    }
+
+
+#: Cosine-sum windows: op -> a_k in ``sum_k (-1)^k a_k cos(2 pi k n / N)`` (ONNX's
+#: definitions; Hamming's are 25/46 and 21/46, not 0.54 and 0.46).
+WINDOWS: dict[str, tuple[float, ...]] = {
+    "HannWindow": (0.5, 0.5),
+    "HammingWindow": (25 / 46, 21 / 46),
+    "BlackmanWindow": (0.42, 0.5, 0.08),
+}
+
+
+def window(size: int, coefficients: tuple[float, ...], periodic: bool) -> Any:
+    """The window of ``size`` points in float64: ``N`` is ``size`` when periodic, else
+    ``size - 1``, as ONNX defines them."""
+    import numpy as np
+
+    n = np.arange(size, dtype=np.float64)
+    length = size if periodic else size - 1
+    with np.errstate(divide="ignore", invalid="ignore"):
+        angle = 2 * np.pi * n / length
+    out = np.zeros(size, np.float64)
+    for k, a in enumerate(coefficients):
+        out += (-1) ** k * a * np.cos(k * angle)
+    return out
+
+
+def _window_converter(op: str, coefficients: tuple[float, ...]) -> Any:
+    """A converter for the window op ``op``: its ``size`` must be a constant."""
+    from onnx import helper
+    from tvm import relax
+    from tvm.relax.frontend.onnx import onnx_frontend
+
+    from enginekit.errors import BuildError
+
+    def impl(cls: Any, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+        import numpy as np
+        import tvm
+
+        size = onnx_frontend.get_constant(inputs[0], params)
+        if not isinstance(size, tvm.ir.GenericConst):
+            name = attr["tvm_custom"]["name"] or "<unnamed>"
+            raise BuildError(
+                f"TVM cannot take the size of op {op!r} at node {name!r} from a runtime value: "
+                "it compiles the window in. Make it a constant (an initializer), or build with "
+                "another backend (e.g. --backend onnxruntime)."
+            )
+        points = int(size.value.numpy().reshape(-1)[0])
+        values = window(points, coefficients, int(attr.get("periodic", 1)) != 0)
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(int(attr.get("output_datatype", 1))))
+        return relax.const(values.astype(dtype))
+
+    return type(
+        op,
+        (onnx_frontend.OnnxOpConverter,),
+        {"__doc__": f"{op} as a constant computed from its size.", "_impl_v17": classmethod(impl)},
+    )
+
+
+def _elu(bb: Any, x: Any, alpha: float, gamma: float) -> Any:
+    """``gamma * (-alpha * relu(1 - e^x) + relu(x))`` in ``x``'s dtype."""
+    from tvm import relax
+
+    dtype = x.ty.dtype
+    neg = relax.op.nn.relu(relax.op.subtract(relax.const(1.0, dtype), relax.op.exp(x)))
+    y = relax.op.add(relax.op.multiply(relax.const(-alpha, dtype), neg), relax.op.nn.relu(x))
+    if gamma != 1.0:
+        y = relax.op.multiply(relax.const(gamma, dtype), y)
+    return bb.emit(y)

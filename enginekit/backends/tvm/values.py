@@ -45,8 +45,8 @@ def find(proto: onnx.ModelProto) -> dict[str, str]:
 
 def accepted(proto: onnx.ModelProto, example: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``example`` with generated Resize ``scales`` that are not all positive replaced by
-    ones (an identity resize), and an AffineGrid ``size`` that is not all positive by a small
-    grid: the example values are random there, which neither op accepts, so the build's own
+    ones (an identity resize), an AffineGrid ``size`` that is not all positive by a small
+    grid, and a OneHot ``depth`` or window size below 1 by 2: the example values are random there, which neither op accepts, so the build's own
     program would not compile (verification then asks for ``verify_data=``). The engine compiles a program
     for the values it is given later, as for any value input."""
     out = dict(example)
@@ -62,9 +62,23 @@ def accepted(proto: onnx.ModelProto, example: Mapping[str, np.ndarray]) -> dict[
                 out[node.input[1]] = np.array(
                     [_batch(proto, node.input[0]), 1, *[2] * (size.size - 2)], size.dtype
                 )
+        if node.op_type == "OneHot" and len(node.input) > 1 and node.input[1] in out:
+            depth = np.asarray(out[node.input[1]])
+            # Under 1 (a float depth truncates) the output is empty, and TVM cannot load a
+            # library holding an empty constant ("Invalid DLTensor file format").
+            if depth.size == 1 and not (depth >= 1).all():
+                out[node.input[1]] = np.full_like(depth, 2)  # off and on
+        if node.op_type in _WINDOWS and node.input and node.input[0] in out:
+            size = np.asarray(out[node.input[0]])
+            if size.size == 1 and not (size >= 1).all():
+                out[node.input[0]] = np.full_like(size, 2)  # an empty window: as for OneHot
         if node.op_type == "Col2Im" and len(node.input) > 2:
             _col2im_example(proto, node, out)
     return out
+
+
+#: Window ops, whose input 0 is the window's size.
+_WINDOWS = frozenset({"HannWindow", "HammingWindow", "BlackmanWindow"})
 
 
 def _col2im_example(proto: onnx.ModelProto, node: onnx.NodeProto, out: dict[str, Any]) -> None:
