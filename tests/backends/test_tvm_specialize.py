@@ -12,10 +12,12 @@ from conftest import reference
 from models import CASES
 
 import enginekit as ek
+from enginekit.artifact import open_artifact
 from enginekit.errors import BuildError
 
 pytest.importorskip("tvm", reason="the tvm backend needs apache-tvm (pip install 'enginekit[tvm]')")
 
+from enginekit.backends import tvm as tvm_backend
 from enginekit.backends.tvm import specialize
 
 MLP = CASES["mlp"]
@@ -54,6 +56,9 @@ def test_auto_specializes_batch_one_and_the_opt_batch_and_records_them(artifact)
         assert meta["specialized"]["batch_sizes"] == [1, 4]
         assert meta["specialized"]["notes"] == []
         assert engine.static_shapes == [{"x": (1, 16)}, {"x": (4, 16)}]
+    info = tvm_backend.inspect(open_artifact(artifact))
+    assert [m.get("specialized", False) for m in info["modules"]] == [False, True, True]
+    assert info["specialized"]["batch_sizes"] == [1, 4]
 
 
 @pytest.mark.parametrize(
