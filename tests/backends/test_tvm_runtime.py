@@ -48,3 +48,39 @@ def test_an_empty_input_with_odd_strides_runs(tmp_path):
     x = np.lib.stride_tricks.as_strided(base[start:], (3, 0, 5), (0, 0, 0))
     with ek.build(path, backend="tvm", shapes={"x": [(3, 0, 5)] * 3}) as engine:
         assert engine.infer({"x": x})["y"].shape == (3, 0, 5)
+
+
+def test_staged_inputs_are_reused_and_an_output_aliasing_one_is_copied(tmp_path):
+    # An input TVM cannot take as it is (not 64-byte aligned, read-only, strided) is copied
+    # into a staging tensor reused by the next call of that shape; an output that is that
+    # tensor (Identity) or a view of it (Reshape) must not change when the next call runs.
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["x"], ["same"]),
+            helper.make_node("Reshape", ["x", "flat"], ["reshaped"]),
+            helper.make_node("Add", ["x", "x"], ["twice"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ("batch", 4))],
+        [
+            helper.make_tensor_value_info("same", TensorProto.FLOAT, ("batch", 4)),
+            helper.make_tensor_value_info("reshaped", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("twice", TensorProto.FLOAT, ("batch", 4)),
+        ],
+        [helper.make_tensor("flat", TensorProto.INT64, (1,), [-1])],
+    )
+    path = tmp_path / "alias.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    base = np.arange(12, dtype=np.float32)
+    first, second = base[1:9].reshape(2, 4), base[2:10].reshape(2, 4)  # 4-byte offsets
+    with ek.build(path, backend="tvm", shapes={"x": [(1, 4), (2, 4), (4, 4)]}) as engine:
+        got = engine.infer({"x": first})
+        engine.infer({"x": second})
+        first.flags.writeable = False  # read-only: staged too
+        again = engine.infer({"x": first})
+        strided = engine.infer({"x": base[:8].reshape(4, 2).T.copy(order="F")})
+    np.testing.assert_array_equal(got["same"], base[1:9].reshape(2, 4))
+    np.testing.assert_array_equal(got["reshaped"], base[1:9])
+    np.testing.assert_array_equal(got["twice"], 2 * base[1:9].reshape(2, 4))
+    np.testing.assert_array_equal(again["same"], base[1:9].reshape(2, 4))
+    np.testing.assert_array_equal(strided["same"], base[:8].reshape(4, 2).T)

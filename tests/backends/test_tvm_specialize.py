@@ -12,14 +12,16 @@ from conftest import reference
 from models import CASES
 
 import enginekit as ek
+from enginekit.artifact import open_artifact
 from enginekit.errors import BuildError
 
 pytest.importorskip("tvm", reason="the tvm backend needs apache-tvm (pip install 'enginekit[tvm]')")
 
+from enginekit.backends import tvm as tvm_backend
 from enginekit.backends.tvm import specialize
 
 MLP = CASES["mlp"]
-#: Batch 1 and the opt batch are specialized; 2 and 6 run on the dynamic module.
+#: Batch 1 and 4 are specialized; 2 and 6 run on the dynamic module.
 SHAPES = {"x": [(1, 16), (4, 16), (8, 16)]}
 
 
@@ -31,7 +33,7 @@ def mlp_path(onnx_model) -> Path:
 @pytest.fixture(scope="module")
 def artifact(mlp_path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tvm-static") / "mlp.ekit"
-    ek.build(mlp_path, backend="tvm", shapes=SHAPES, output=out).close()
+    ek.build(mlp_path, backend="tvm", shapes=SHAPES, specialize=[1, 4], output=out).close()
     return out
 
 
@@ -44,7 +46,7 @@ def _used(engine, feeds) -> str:
     return f"model-static-b{shapes[0][0]}.so"
 
 
-def test_auto_specializes_batch_one_and_the_opt_batch_and_records_them(artifact):
+def test_the_specialized_batch_sizes_are_recorded(artifact):
     with ek.load(artifact) as engine:
         meta = engine.manifest["backend"]["metadata"]
         static = [m for m in meta["modules"] if m.get("specialized")]
@@ -54,6 +56,9 @@ def test_auto_specializes_batch_one_and_the_opt_batch_and_records_them(artifact)
         assert meta["specialized"]["batch_sizes"] == [1, 4]
         assert meta["specialized"]["notes"] == []
         assert engine.static_shapes == [{"x": (1, 16)}, {"x": (4, 16)}]
+    info = tvm_backend.inspect(open_artifact(artifact))
+    assert [m.get("specialized", False) for m in info["modules"]] == [False, True, True]
+    assert info["specialized"]["batch_sizes"] == [1, 4]
 
 
 @pytest.mark.parametrize(
@@ -71,7 +76,12 @@ def test_infer_runs_the_static_module_when_shapes_match_and_the_dynamic_one_othe
         )
 
 
-def test_specialize_false_builds_the_dynamic_module_only(mlp_path, tmp_path):
+def test_auto_specializes_batch_one_of_a_batch_only_dynamic_model(mlp_path):
+    with ek.build(mlp_path, backend="tvm", shapes=SHAPES) as engine:
+        assert engine.static_shapes == [{"x": (1, 16)}]
+
+
+def test_specialize_false_builds_the_dynamic_module_only(mlp_path):
     with ek.build(mlp_path, backend="tvm", shapes=SHAPES, specialize=False) as engine:
         meta = engine.manifest["backend"]["metadata"]
         assert [m["file"] for m in meta["modules"]] == ["model.so"]
@@ -92,13 +102,12 @@ def test_a_transformer_runs_its_static_module_only_at_the_opt_sequence_length(on
                 np.testing.assert_allclose(got[name], want[name], atol=1e-4, rtol=1e-4)
 
 
-def _parse(value, ranges=((1, 8),), batched=True, tuned=()):
+def _parse(value, ranges=((1, 8),), dims=("batch", 16), tuned=()):
     from types import SimpleNamespace
 
     from enginekit.config import ShapeProfile
 
-    dim = "batch" if batched else 2
-    model = SimpleNamespace(inputs=[SimpleNamespace(name="x", shape=(dim, 16))])
+    model = SimpleNamespace(inputs=[SimpleNamespace(name="x", shape=dims)])
     profiles = tuple(
         {"x": ShapeProfile(min=(lo, 16), opt=(hi, 16), max=(hi, 16))} for lo, hi in ranges
     )
@@ -107,14 +116,15 @@ def _parse(value, ranges=((1, 8),), batched=True, tuned=()):
 
 
 def test_parse_specialize():
-    assert _parse("auto") == (1, 8)
-    assert _parse(None) == (1, 8)
-    assert _parse("auto", ranges=((2, 8),)) == (8,)  # batch 1 is outside the profile
+    # auto: batch 1; the opt batch too where another dim (a sequence) is symbolic
+    assert _parse("auto") == (1,) and _parse(None) == (1,)
+    assert _parse("auto", dims=("batch", "seq")) == (1, 8)
+    assert _parse("auto", ranges=((2, 8),), dims=("batch", "seq")) == (8,)  # 1 is outside
+    assert _parse("auto", dims=("batch", "seq"), tuned=(8,)) == (1,)  # a tuned module serves 8
+    assert _parse("auto", dims=(2, 16)) == ()  # every dim static: the dynamic one is static
     assert _parse([2, 3, 3]) == (2, 3)
     assert _parse(5) == (5,)
     assert _parse(False) == () and _parse([]) == ()
-    assert _parse("auto", tuned=(8,)) == (1,)  # a tuned module already serves batch 8
-    assert _parse("auto", batched=False) == ()  # every dim static: the dynamic one is static
     with pytest.raises(BuildError, match=r"batch size 9 lies outside .*1\.\.8"):
         _parse([1, 9])
     with pytest.raises(BuildError, match="expected 'auto', False, a batch size"):
