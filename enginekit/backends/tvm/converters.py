@@ -375,7 +375,7 @@ def converters() -> dict[str, Any]:
                 )
             )
 
-    from enginekit.backends.tvm import deform, extra, resize, rnn, text, windows
+    from enginekit.backends.tvm import deform, extra, pool, resize, rnn, text, windows
 
     return {
         **rnn.converters(),
@@ -383,6 +383,7 @@ def converters() -> dict[str, Any]:
         **text.converters(),
         **deform.converters(),
         **extra.converters(),
+        **pool.converters(),
         "CumProd": CumProd,
         "EyeLike": EyeLike,
         "SpaceToDepth": SpaceToDepth,

@@ -138,7 +138,7 @@ def converters() -> dict[str, Any]:
         """A float ``depth`` constant as int64 (TVM's one_hot takes an int depth)."""
         if not isinstance(depth, tvm.ir.GenericConst):
             return depth
-        return relax.const(depth.value.numpy().astype("int64"))
+        return relax.const(depth.value.numpy().astype("int64"), "int64")
 
     return {
         "RMSNormalization": RMSNormalization,
@@ -198,7 +198,8 @@ def _window_converter(op: str, coefficients: tuple[float, ...]) -> Any:
         points = int(size.value.numpy().reshape(-1)[0])
         values = window(points, coefficients, int(attr.get("periodic", 1)) != 0)
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(int(attr.get("output_datatype", 1))))
-        return relax.const(values.astype(dtype))
+        # relax.const keeps no 64-bit type of a numpy array unless told (int64 became int32).
+        return relax.const(values.astype(dtype), str(dtype))
 
     return type(
         op,
