@@ -76,13 +76,11 @@ def test_infer_runs_the_static_module_when_shapes_match_and_the_dynamic_one_othe
         )
 
 
-def test_auto_specializes_batch_one_of_a_batch_only_dynamic_model(mlp_path):
-    with ek.build(mlp_path, backend="tvm", shapes=SHAPES) as engine:
-        assert engine.static_shapes == [{"x": (1, 16)}]
-
-
-def test_specialize_false_builds_the_dynamic_module_only(mlp_path):
-    with ek.build(mlp_path, backend="tvm", shapes=SHAPES, specialize=False) as engine:
+@pytest.mark.parametrize("option", [{}, {"specialize": False}])
+def test_a_batch_only_dynamic_model_or_specialize_false_builds_the_dynamic_module_only(
+    mlp_path, option
+):
+    with ek.build(mlp_path, backend="tvm", shapes=SHAPES, **option) as engine:
         meta = engine.manifest["backend"]["metadata"]
         assert [m["file"] for m in meta["modules"]] == ["model.so"]
         assert meta["specialized"] is None and engine.static_shapes == []
@@ -92,8 +90,11 @@ def test_specialize_false_builds_the_dynamic_module_only(mlp_path):
 def test_a_transformer_runs_its_static_module_only_at_the_opt_sequence_length(onnx_model):
     case = CASES["transformer"]
     path = onnx_model("transformer")
-    with ek.build(path, backend="tvm", shapes=case.shapes, specialize=[4]) as engine:
-        assert engine.static_shapes == [{"ids": (4, 8), "mask": (4, 8)}]
+    with ek.build(path, backend="tvm", shapes=case.shapes) as engine:  # auto
+        assert engine.static_shapes == [
+            {"ids": (1, 8), "mask": (1, 8)},
+            {"ids": (4, 8), "mask": (4, 8)},
+        ]
         for seq, module in ((8, "model-static-b4.so"), (6, "model.so")):
             feeds = case.feeds(4, seed=seq, seq=seq)
             assert _used(engine, feeds) == module
@@ -116,8 +117,8 @@ def _parse(value, ranges=((1, 8),), dims=("batch", 16), tuned=()):
 
 
 def test_parse_specialize():
-    # auto: batch 1; the opt batch too where another dim (a sequence) is symbolic
-    assert _parse("auto") == (1,) and _parse(None) == (1,)
+    # auto: batch 1 and the opt batch where another dim (a sequence) is symbolic, else none
+    assert _parse("auto") == () and _parse(None) == ()
     assert _parse("auto", dims=("batch", "seq")) == (1, 8)
     assert _parse("auto", ranges=((2, 8),), dims=("batch", "seq")) == (8,)  # 1 is outside
     assert _parse("auto", dims=("batch", "seq"), tuned=(8,)) == (1,)  # a tuned module serves 8

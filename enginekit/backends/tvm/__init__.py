@@ -56,9 +56,9 @@ OPTIONS = {
     "tuning_db": "directory of the tuning database to keep and reuse across builds (default: "
     "a temporary one, discarded)",
     "specialize": "static-shape modules compiled besides the dynamic one, run when a batch's "
-    "shapes equal theirs: 'auto' (default: batch 1, plus the profile's opt batch when an input "
-    "has another symbolic dim such as a sequence; other dims at their opt), a list of batch "
-    "sizes, or False (the dynamic module only; faster builds)",
+    "shapes equal theirs: 'auto' (default: batch 1 and the profile's opt batch when an input "
+    "has a symbolic dim besides the batch, such as a sequence, other dims at their opt; none "
+    "otherwise), a list of batch sizes, or False (the dynamic module only)",
     "schedule": "schedules of untuned kernels: 'enginekit' (default: parallel, vectorized, "
     "register-tiled CPU schedules), 'dlight' (TVM's DLight CPU rules only) or 'none' (TVM's "
     "naive loops; for comparison)",
