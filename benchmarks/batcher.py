@@ -448,7 +448,7 @@ def run_model(
         # Arrival times: one draw per cell, the same for the pool and the batcher. (One seed
         # for every cell made every cell start alike: seed 0's second and third gaps are 2% and
         # 0.2% of the mean, three arrivals within 1.3 ms at the lowest rate of every model.)
-        seed = cell_seed(args.seed, name, fraction)
+        seed = cell_seed(getattr(args, "seed", 0), name, fraction)
         pool_cell = open_loop(
             lambda s, e=pool_engine: pool.submit(e.infer, s), ones, rate, seed,
             trace=traces["pool"],
