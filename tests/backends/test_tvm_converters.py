@@ -212,3 +212,10 @@ def test_float_floor_mod_by_infinity(tmp_path):
     x = np.array([-3.0, 3.0, -1.0, 1.0, 5.5, -5.5])
     y = np.array([np.inf, np.inf, -np.inf, -np.inf, -2.0, 2.0])
     _check(path, {"x": x, "y": y})
+
+
+def test_slice_with_attributes_before_opset_10(tmp_path):
+    # TVM converts only Slice's input form: "Cannot cast NoneType to list of Expr".
+    node = helper.make_node("Slice", ["x"], ["y"], starts=[1, -3], ends=[9, 1000], axes=[0, 1])
+    path = save_graph(tmp_path, [node], {"x": (F, (4, 5))}, {"y": F}, 9)
+    _check(path, {"x": np.arange(20, dtype=np.float32).reshape(4, 5)})

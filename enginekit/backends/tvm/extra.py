@@ -8,6 +8,7 @@
   ("Binary operators must have the same datatype"; ONNX's float16 Celu, whose body is an Elu).
 - ``OneHot``: refused ``values`` that are not a constant.
 - ``Mod`` of floats with ``fmod=0``: NaN for an infinite divisor.
+- ``Slice`` before opset 10 (attributes, not inputs): not converted.
 - ``HannWindow``, ``HammingWindow``, ``BlackmanWindow``: no converter; their sizes are value
   inputs (:mod:`enginekit.backends.tvm.values`), so the window is a constant.
 """
@@ -134,6 +135,17 @@ def converters() -> dict[str, Any]:
             moved = relax.op.logical_and(relax.op.not_equal(rem, zero), differ)
             return bb.emit(relax.op.where(moved, relax.op.add(rem, y), rem))
 
+    class Slice(onnx_frontend.Slice):
+        """Slice before opset 10, whose ``starts``, ``ends`` and ``axes`` are attributes:
+        TVM 0.27 converts only the input form ("Cannot cast NoneType to list of Expr")."""
+
+        @classmethod
+        def _impl_v1(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            starts = [int(v) for v in attr["starts"]]
+            ends = [int(v) for v in attr["ends"]]
+            axes = [int(v) for v in attr.get("axes", range(len(starts)))]
+            return bb.emit(relax.op.strided_slice(inputs[0], axes, starts, ends))
+
     def _integral(depth: Any) -> Any:
         """A float ``depth`` constant as int64 (TVM's one_hot takes an int depth)."""
         if not isinstance(depth, tvm.ir.GenericConst):
@@ -147,6 +159,7 @@ def converters() -> dict[str, Any]:
         "Selu": Selu,
         "OneHot": OneHot,
         "Mod": Mod,
+        "Slice": Slice,
         **{op: _window_converter(op, coefficients) for op, coefficients in WINDOWS.items()},
     }
 
