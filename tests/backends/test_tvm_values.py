@@ -192,3 +192,20 @@ def test_an_empty_input_runs_whatever_its_pointer(tmp_path):
     assert x.ctypes.data % _ALIGN == 0 and x.flags.writeable
     with ek.build(path, backend="tvm", simplify=False, verify=False) as engine:
         np.testing.assert_array_equal(engine.infer({"x": x})["y"], np.zeros((2, 1, 4)))
+
+
+def test_example_one_hot_depth_and_window_size_below_one_become_two():
+    # Below 1 the output is empty, and TVM cannot load a library holding an empty constant
+    # ("Invalid DLTensor file format"): the build's own program used to fail to load.
+    from enginekit.backends.tvm.values import accepted
+
+    nodes = [
+        helper.make_node("OneHot", ["i", "depth", "v"], ["y"]),
+        helper.make_node("HannWindow", ["n"], ["w"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [], [])
+    example = {"depth": np.array(0.5, np.float32), "n": np.array(0, np.int32)}
+    out = accepted(helper.make_model(graph), example)
+    assert out["depth"] == 2 and out["depth"].dtype == np.float32
+    assert out["n"] == 2 and out["n"].dtype == np.int32
+    assert accepted(helper.make_model(graph), {"depth": np.array(3.0, np.float32)})["depth"] == 3
