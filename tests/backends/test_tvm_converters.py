@@ -219,3 +219,12 @@ def test_slice_with_attributes_before_opset_10(tmp_path):
     node = helper.make_node("Slice", ["x"], ["y"], starts=[1, -3], ends=[9, 1000], axes=[0, 1])
     path = save_graph(tmp_path, [node], {"x": (F, (4, 5))}, {"y": F}, 9)
     _check(path, {"x": np.arange(20, dtype=np.float32).reshape(4, 5)})
+
+
+def test_upsample_nearest_with_scales_as_an_input(tmp_path):
+    # TVM read scales from the opset-7 attribute only ("NoneType has no len()"), and its
+    # nearest rounded where ONNX floors: a scale of 3 took source pixel 1 for output 2.
+    scales = onnx.numpy_helper.from_array(np.array([1, 1, 2, 3], np.float32), "scales")
+    node = helper.make_node("Upsample", ["x", "scales"], ["y"], mode="nearest")
+    path = save_graph(tmp_path, [node], {"x": (F, (1, 1, 2, 2))}, {"y": F}, 9, [scales])
+    _check(path, {"x": np.array([[[[1, 2], [3, 4]]]], np.float32)})

@@ -209,3 +209,16 @@ def test_example_one_hot_depth_and_window_size_below_one_become_two():
     assert out["depth"] == 2 and out["depth"].dtype == np.float32
     assert out["n"] == 2 and out["n"].dtype == np.int32
     assert accepted(helper.make_model(graph), {"depth": np.array(3.0, np.float32)})["depth"] == 3
+
+
+def test_example_upsample_scales_tvm_refuses_become_ones():
+    # Generated scales of 0s and 1s failed TVM's Upsample assertions at import, before
+    # verification could ask for verify_data=.
+    from enginekit.backends.tvm.values import accepted
+
+    node = helper.make_node("Upsample", ["x", "s"], ["y"])
+    model = helper.make_model(helper.make_graph([node], "g", [], []))
+    out = accepted(model, {"s": np.array([0, 1, 0, 1], np.float32)})
+    np.testing.assert_array_equal(out["s"], np.ones(4, np.float32))
+    kept = np.array([1, 1, 2, 3], np.float32)
+    np.testing.assert_array_equal(accepted(model, {"s": kept})["s"], kept)

@@ -9,6 +9,7 @@
 - ``OneHot``: refused ``values`` that are not a constant.
 - ``Mod`` of floats with ``fmod=0``: NaN for an infinite divisor.
 - ``Slice`` before opset 10 (attributes, not inputs): not converted.
+- ``Upsample``: ``scales`` as an input (opset 9) was not read, and nearest rounded.
 - ``HannWindow``, ``HammingWindow``, ``BlackmanWindow``: no converter; their sizes are value
   inputs (:mod:`enginekit.backends.tvm.values`), so the window is a constant.
 """
@@ -146,6 +147,41 @@ def converters() -> dict[str, Any]:
             axes = [int(v) for v in attr.get("axes", range(len(starts)))]
             return bb.emit(relax.op.strided_slice(inputs[0], axes, starts, ends))
 
+    class Upsample(onnx_frontend.Upsample):
+        """Upsample with ``scales`` an input (opset 9; a value input, so a constant here) or
+        an attribute (opset 7), nearest picking ``floor(out / scale)`` as ONNX says: TVM 0.27
+        read only the attribute ("NoneType has no len()") and rounded to the nearest source
+        pixel (a scale of 3 took pixel 1 for output 2, not 0)."""
+
+        @classmethod
+        def _impl_v9(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            scales = attr.get("scales")
+            if scales is None and len(inputs) > 1:
+                found = onnx_frontend.get_constant(inputs[1], params)
+                if isinstance(found, tvm.ir.GenericConst):
+                    scales = [float(v) for v in found.value.numpy()]
+            mode = attr.get("mode", b"nearest")
+            mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+            shape = list(inputs[0].ty.shape)
+            if (
+                scales is None
+                or len(scales) != 4
+                or len(shape) != 4
+                or list(scales[:2]) != [1.0, 1.0]
+                or not all(isinstance(d, tvm.tirx.IntImm) for d in shape[2:])
+            ):
+                return super()._impl_v9(bb, inputs, attr, params)
+            size = [int(int(d) * s) for d, s in zip(shape[2:], scales[2:])]
+            nearest = mode == "nearest"
+            return relax.op.image.resize2d(
+                inputs[0],
+                relax.ShapeExpr(size),
+                layout="NCHW",
+                method="nearest_neighbor" if nearest else mode,
+                coordinate_transformation_mode="asymmetric",
+                rounding_method="floor" if nearest else "round",
+            )
+
     def _integral(depth: Any) -> Any:
         """A float ``depth`` constant as int64 (TVM's one_hot takes an int depth)."""
         if not isinstance(depth, tvm.ir.GenericConst):
@@ -160,6 +196,7 @@ def converters() -> dict[str, Any]:
         "OneHot": OneHot,
         "Mod": Mod,
         "Slice": Slice,
+        "Upsample": Upsample,
         **{op: _window_converter(op, coefficients) for op, coefficients in WINDOWS.items()},
     }
 
