@@ -228,3 +228,13 @@ def test_upsample_nearest_with_scales_as_an_input(tmp_path):
     node = helper.make_node("Upsample", ["x", "scales"], ["y"], mode="nearest")
     path = save_graph(tmp_path, [node], {"x": (F, (1, 1, 2, 2))}, {"y": F}, 9, [scales])
     _check(path, {"x": np.array([[[[1, 2], [3, 4]]]], np.float32)})
+
+
+def test_split_with_a_piece_of_size_zero(tmp_path):
+    # TVM's split takes strictly increasing points: "split_indices must be sorted" after
+    # import, an InternalError past the frontend's BuildError.
+    sizes = onnx.numpy_helper.from_array(np.array([2, 0, 3], np.int64), "sizes")
+    node = helper.make_node("Split", ["x", "sizes"], ["a", "b", "c"], axis=1)
+    outputs = {"a": F, "b": F, "c": F}
+    path = save_graph(tmp_path, [node], {"x": (F, (2, 5))}, outputs, 13, [sizes])
+    _check(path, {"x": np.arange(10, dtype=np.float32).reshape(2, 5)})

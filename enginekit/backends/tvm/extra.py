@@ -10,6 +10,7 @@
 - ``Mod`` of floats with ``fmod=0``: NaN for an infinite divisor.
 - ``Slice`` before opset 10 (attributes, not inputs): not converted.
 - ``Upsample``: ``scales`` as an input (opset 9) was not read, and nearest rounded.
+- ``Split`` with sizes of 0: failed after import.
 - ``HannWindow``, ``HammingWindow``, ``BlackmanWindow``: no converter; their sizes are value
   inputs (:mod:`enginekit.backends.tvm.values`), so the window is a constant.
 """
@@ -182,6 +183,30 @@ def converters() -> dict[str, Any]:
                 rounding_method="floor" if nearest else "round",
             )
 
+    class Split(onnx_frontend.Split):
+        """Split with constant sizes that include 0: a strided slice per output. TVM 0.27's
+        ``split`` takes strictly increasing split points and failed after import ("split_indices
+        must be sorted"), past the frontend's own error handling."""
+
+        @classmethod
+        def _impl_v13(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            found = None
+            if len(inputs) > 1 and inputs[1] is not None:
+                found = onnx_frontend.get_constant(inputs[1], params)
+            sizes = None
+            if isinstance(found, tvm.ir.GenericConst):
+                sizes = [int(v) for v in found.value.numpy().reshape(-1)]
+            if not sizes or min(sizes) > 0:
+                return super()._impl_v13(bb, inputs, attr, params)
+            axis = int(attr.get("axis", 0))
+            pieces, start = [], 0
+            for size in sizes:
+                pieces.append(
+                    bb.emit(relax.op.strided_slice(inputs[0], [axis], [start], [start + size]))
+                )
+                start += size
+            return relax.Tuple(pieces)
+
     def _integral(depth: Any) -> Any:
         """A float ``depth`` constant as int64 (TVM's one_hot takes an int depth)."""
         if not isinstance(depth, tvm.ir.GenericConst):
@@ -197,6 +222,7 @@ def converters() -> dict[str, Any]:
         "Mod": Mod,
         "Slice": Slice,
         "Upsample": Upsample,
+        "Split": Split,
         **{op: _window_converter(op, coefficients) for op, coefficients in WINDOWS.items()},
     }
 
