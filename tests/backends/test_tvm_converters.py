@@ -212,3 +212,29 @@ def test_float_floor_mod_by_infinity(tmp_path):
     x = np.array([-3.0, 3.0, -1.0, 1.0, 5.5, -5.5])
     y = np.array([np.inf, np.inf, -np.inf, -np.inf, -2.0, 2.0])
     _check(path, {"x": x, "y": y})
+
+
+def test_slice_with_attributes_before_opset_10(tmp_path):
+    # TVM converts only Slice's input form: "Cannot cast NoneType to list of Expr".
+    node = helper.make_node("Slice", ["x"], ["y"], starts=[1, -3], ends=[9, 1000], axes=[0, 1])
+    path = save_graph(tmp_path, [node], {"x": (F, (4, 5))}, {"y": F}, 9)
+    _check(path, {"x": np.arange(20, dtype=np.float32).reshape(4, 5)})
+
+
+def test_upsample_nearest_with_scales_as_an_input(tmp_path):
+    # TVM read scales from the opset-7 attribute only ("NoneType has no len()"), and its
+    # nearest rounded where ONNX floors: a scale of 3 took source pixel 1 for output 2.
+    scales = onnx.numpy_helper.from_array(np.array([1, 1, 2, 3], np.float32), "scales")
+    node = helper.make_node("Upsample", ["x", "scales"], ["y"], mode="nearest")
+    path = save_graph(tmp_path, [node], {"x": (F, (1, 1, 2, 2))}, {"y": F}, 9, [scales])
+    _check(path, {"x": np.array([[[[1, 2], [3, 4]]]], np.float32)})
+
+
+def test_split_with_a_piece_of_size_zero(tmp_path):
+    # TVM's split takes strictly increasing points: "split_indices must be sorted" after
+    # import, an InternalError past the frontend's BuildError.
+    sizes = onnx.numpy_helper.from_array(np.array([2, 0, 3], np.int64), "sizes")
+    node = helper.make_node("Split", ["x", "sizes"], ["a", "b", "c"], axis=1)
+    outputs = {"a": F, "b": F, "c": F}
+    path = save_graph(tmp_path, [node], {"x": (F, (2, 5))}, outputs, 13, [sizes])
+    _check(path, {"x": np.arange(10, dtype=np.float32).reshape(2, 5)})

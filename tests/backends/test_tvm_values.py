@@ -205,3 +205,33 @@ def test_verify_data_decides_the_program_compiled_at_build(tmp_path):
         assert engine.programs == ["shape=[3, 4]"]
     (stored,) = open_artifact(out).manifest["backend"]["metadata"]["value_inputs"]["programs"]
     assert shared.from_json(stored["values"])["shape"].tolist() == [3, 4]
+
+
+def test_example_one_hot_depth_and_window_size_below_one_become_two():
+    # Below 1 the output is empty, and TVM cannot load a library holding an empty constant
+    # ("Invalid DLTensor file format"): the build's own program used to fail to load.
+    from enginekit.backends.tvm.values import accepted
+
+    nodes = [
+        helper.make_node("OneHot", ["i", "depth", "v"], ["y"]),
+        helper.make_node("HannWindow", ["n"], ["w"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [], [])
+    example = {"depth": np.array(0.5, np.float32), "n": np.array(0, np.int32)}
+    out = accepted(helper.make_model(graph), example)
+    assert out["depth"] == 2 and out["depth"].dtype == np.float32
+    assert out["n"] == 2 and out["n"].dtype == np.int32
+    assert accepted(helper.make_model(graph), {"depth": np.array(3.0, np.float32)})["depth"] == 3
+
+
+def test_example_upsample_scales_tvm_refuses_become_ones():
+    # Generated scales of 0s and 1s failed TVM's Upsample assertions at import, before
+    # verification could ask for verify_data=.
+    from enginekit.backends.tvm.values import accepted
+
+    node = helper.make_node("Upsample", ["x", "s"], ["y"])
+    model = helper.make_model(helper.make_graph([node], "g", [], []))
+    out = accepted(model, {"s": np.array([0, 1, 0, 1], np.float32)})
+    np.testing.assert_array_equal(out["s"], np.ones(4, np.float32))
+    kept = np.array([1, 1, 2, 3], np.float32)
+    np.testing.assert_array_equal(accepted(model, {"s": kept})["s"], kept)

@@ -8,6 +8,9 @@
   ("Binary operators must have the same datatype"; ONNX's float16 Celu, whose body is an Elu).
 - ``OneHot``: refused ``values`` that are not a constant.
 - ``Mod`` of floats with ``fmod=0``: NaN for an infinite divisor.
+- ``Slice`` before opset 10 (attributes, not inputs): not converted.
+- ``Upsample``: ``scales`` as an input (opset 9) was not read, and nearest rounded.
+- ``Split`` with sizes of 0: failed after import.
 - ``HannWindow``, ``HammingWindow``, ``BlackmanWindow``: no converter; their sizes are value
   inputs (:mod:`enginekit.backends.tvm.values`), so the window is a constant.
 """
@@ -134,6 +137,76 @@ def converters() -> dict[str, Any]:
             moved = relax.op.logical_and(relax.op.not_equal(rem, zero), differ)
             return bb.emit(relax.op.where(moved, relax.op.add(rem, y), rem))
 
+    class Slice(onnx_frontend.Slice):
+        """Slice before opset 10, whose ``starts``, ``ends`` and ``axes`` are attributes:
+        TVM 0.27 converts only the input form ("Cannot cast NoneType to list of Expr")."""
+
+        @classmethod
+        def _impl_v1(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            starts = [int(v) for v in attr["starts"]]
+            ends = [int(v) for v in attr["ends"]]
+            axes = [int(v) for v in attr.get("axes", range(len(starts)))]
+            return bb.emit(relax.op.strided_slice(inputs[0], axes, starts, ends))
+
+    class Upsample(onnx_frontend.Upsample):
+        """Upsample with ``scales`` an input (opset 9; a value input, so a constant here) or
+        an attribute (opset 7), nearest picking ``floor(out / scale)`` as ONNX says: TVM 0.27
+        read only the attribute ("NoneType has no len()") and rounded to the nearest source
+        pixel (a scale of 3 took pixel 1 for output 2, not 0)."""
+
+        @classmethod
+        def _impl_v9(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            scales = attr.get("scales")
+            if scales is None and len(inputs) > 1:
+                found = onnx_frontend.get_constant(inputs[1], params)
+                if isinstance(found, tvm.ir.GenericConst):
+                    scales = [float(v) for v in found.value.numpy()]
+            mode = attr.get("mode", b"nearest")
+            mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+            shape = list(inputs[0].ty.shape)
+            if (
+                scales is None
+                or len(scales) != 4
+                or len(shape) != 4
+                or list(scales[:2]) != [1.0, 1.0]
+                or not all(isinstance(d, tvm.tirx.IntImm) for d in shape[2:])
+            ):
+                return super()._impl_v9(bb, inputs, attr, params)
+            size = [int(int(d) * s) for d, s in zip(shape[2:], scales[2:])]
+            nearest = mode == "nearest"
+            return relax.op.image.resize2d(
+                inputs[0],
+                relax.ShapeExpr(size),
+                layout="NCHW",
+                method="nearest_neighbor" if nearest else mode,
+                coordinate_transformation_mode="asymmetric",
+                rounding_method="floor" if nearest else "round",
+            )
+
+    class Split(onnx_frontend.Split):
+        """Split with constant sizes that include 0: a strided slice per output. TVM 0.27's
+        ``split`` takes strictly increasing split points and failed after import ("split_indices
+        must be sorted"), past the frontend's own error handling."""
+
+        @classmethod
+        def _impl_v13(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            found = None
+            if len(inputs) > 1 and inputs[1] is not None:
+                found = onnx_frontend.get_constant(inputs[1], params)
+            sizes = None
+            if isinstance(found, tvm.ir.GenericConst):
+                sizes = [int(v) for v in found.value.numpy().reshape(-1)]
+            if not sizes or min(sizes) > 0:
+                return super()._impl_v13(bb, inputs, attr, params)
+            axis = int(attr.get("axis", 0))
+            pieces, start = [], 0
+            for size in sizes:
+                pieces.append(
+                    bb.emit(relax.op.strided_slice(inputs[0], [axis], [start], [start + size]))
+                )
+                start += size
+            return relax.Tuple(pieces)
+
     def _integral(depth: Any) -> Any:
         """A float ``depth`` constant as int64 (TVM's one_hot takes an int depth)."""
         if not isinstance(depth, tvm.ir.GenericConst):
@@ -147,6 +220,9 @@ def converters() -> dict[str, Any]:
         "Selu": Selu,
         "OneHot": OneHot,
         "Mod": Mod,
+        "Slice": Slice,
+        "Upsample": Upsample,
+        "Split": Split,
         **{op: _window_converter(op, coefficients) for op, coefficients in WINDOWS.items()},
     }
 

@@ -45,7 +45,7 @@ def find(proto: onnx.ModelProto) -> dict[str, str]:
 
 def accepted(proto: onnx.ModelProto, example: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``example`` with generated Resize ``scales`` that are not all positive replaced by
-    ones (an identity resize), an AffineGrid ``size`` that is not all positive by a small
+    ones (an identity resize), likewise Upsample ``scales`` TVM does not take, an AffineGrid ``size`` that is not all positive by a small
     grid, and a OneHot ``depth`` or window size below 1 by 2: the example values are random there, which neither op accepts, so the build's own
     program would not compile (verification then asks for ``verify_data=``). The engine compiles a program
     for the values it is given later, as for any value input."""
@@ -62,6 +62,12 @@ def accepted(proto: onnx.ModelProto, example: Mapping[str, np.ndarray]) -> dict[
                 out[node.input[1]] = np.array(
                     [_batch(proto, node.input[0]), 1, *[2] * (size.size - 2)], size.dtype
                 )
+        if node.op_type == "Upsample" and len(node.input) > 1 and node.input[1] in out:
+            scales = np.asarray(out[node.input[1]])
+            # TVM's Upsample takes scales of at least 1 that keep batch and channels.
+            if scales.ndim == 1 and scales.size > 2:
+                if not ((scales[:2] == 1).all() and (scales >= 1).all()):
+                    out[node.input[1]] = np.ones_like(scales)
         if node.op_type == "OneHot" and len(node.input) > 1 and node.input[1] in out:
             depth = np.asarray(out[node.input[1]])
             # Under 1 (a float depth truncates) the output is empty, and TVM cannot load a
