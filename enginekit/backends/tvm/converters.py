@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from enginekit.backends.tvm.messages import not_constant
 from enginekit.errors import BuildError
 
 #: Ops TVM's importer converts but whose output shape depends on the input values, which the
@@ -195,11 +196,7 @@ def converters() -> dict[str, Any]:
             data = inputs[0]
             axis = onnx_frontend.get_constant(inputs[1], params)
             if not isinstance(axis, tvm.ir.GenericConst):
-                name = attr["tvm_custom"]["name"] or "<unnamed>"
-                raise BuildError(
-                    f"TVM cannot take the axis of op 'CumProd' at node {name!r} from a runtime "
-                    "value: it compiles the axis in. Make it a constant (an initializer)."
-                )
+                raise not_constant("CumProd", attr, "axis", "the axis")
             dim = int(axis.value.numpy().reshape(-1)[0])
             reverse = int(attr.get("reverse", 0)) != 0
             if reverse:

@@ -257,7 +257,7 @@ def _window_converter(op: str, coefficients: tuple[float, ...]) -> Any:
     from tvm import relax
     from tvm.relax.frontend.onnx import onnx_frontend
 
-    from enginekit.errors import BuildError
+    from enginekit.backends.tvm.messages import not_constant
 
     def impl(cls: Any, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
         import numpy as np
@@ -265,12 +265,7 @@ def _window_converter(op: str, coefficients: tuple[float, ...]) -> Any:
 
         size = onnx_frontend.get_constant(inputs[0], params)
         if not isinstance(size, tvm.ir.GenericConst):
-            name = attr["tvm_custom"]["name"] or "<unnamed>"
-            raise BuildError(
-                f"TVM cannot take the size of op {op!r} at node {name!r} from a runtime value: "
-                "it compiles the window in. Make it a constant (an initializer), or build with "
-                "another backend (e.g. --backend onnxruntime)."
-            )
+            raise not_constant(op, attr, "size", "the window")
         points = int(size.value.numpy().reshape(-1)[0])
         values = window(points, coefficients, int(attr.get("periodic", 1)) != 0)
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(int(attr.get("output_datatype", 1))))
