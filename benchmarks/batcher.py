@@ -40,10 +40,12 @@ ceiling (both beside the load generator); at the lowest rate its p99 latency <= 
 the batch-1 latency (the engine's, back to back; the median lone batch-1 call at the lowest rate,
 as the pool and the batcher see it with the engine idle between requests, is printed beside it);
 overhead <= 30 us per request. The engine runs with one intra-op thread by default (--threads);
-the batcher runs the Batcher's default one worker (--workers auto: one per core, so that a
-request arriving during a call runs beside it, as in the pool), and the ceiling runs as many
-offline calls at once as the batcher has workers (a one-call ceiling would hold a two-worker
-batcher to one core).
+the batcher runs the Batcher's defaults: one worker, and standby threads for the calls the
+engine runs side by side beyond it (--standby; one for the 1-thread engine on 2 cores), which run
+a request arriving during a call beside it at low load and sleep under load (--workers auto: a
+worker per core, running side by side under any load). The ceiling runs as many offline calls
+at once as the batcher has workers (a one-call ceiling would hold a two-worker batcher to one
+core; standby threads do not run at overload, and each cell prints how many batches they ran).
 
 The lowest-rate p99 is printed with its 95% interval (distribution-free, from the order
 statistics): a p99 of a few hundred requests rests on the slowest handful, and a goal whose
@@ -54,7 +56,7 @@ upper bound at all: the slowest request itself may be below the true p99).
 made it slow (see batcher_trace.py).
 
     python benchmarks/batcher.py [--quick] [--seconds 2] [--seed 0] [--models cnn,resnet18,bert] [--json f]
-                                  [--workers auto|n] [--trace] [--switch-interval s]
+                                  [--workers auto|n] [--standby auto|n] [--trace] [--switch-interval s]
 
 Timings on a shared machine are noisy: the load average is printed, and every ratio comes from
 cells measured next to each other.
@@ -463,6 +465,7 @@ def run_model(
             max_queue=max(count, 1024),
             name=name,
             workers=args.workers,
+            standby=args.standby,
         ) as batcher:
             cpu = time.process_time()
             cell = open_loop(batcher.submit, samples, rate, seed, trace=traces["batcher"])
@@ -506,6 +509,8 @@ def run_model(
             if mode == "batcher":
                 sizes = stats["batch_size"]
                 row["workers"] = stats["workers"]
+                row["standby"] = stats["standby"]
+                row["standby_batches"] = stats["standby_batches"]
                 row["full_batches"] = sizes.get(max_batch, 0) / max(stats["batches"], 1)
                 row["mean_batch"] = stats["mean_batch_size"]
                 row["reasons"] = stats["dispatch_reasons"]
@@ -519,7 +524,8 @@ def run_model(
                 row["cpu_per_row_us"] = cpu / count * 1e6
                 row["ceiling_cpu_per_row_us"] = local_cpu * 1e6
                 notes = (
-                    f"{stats['workers']} worker(s), batch {stats['mean_batch_size']:.1f} ({row['full_batches']:.0%} full), "
+                    f"{stats['workers']} worker(s) + {stats['standby']} standby "
+                    f"({stats['standby_batches']} batches), batch {stats['mean_batch_size']:.1f} ({row['full_batches']:.0%} full), "
                     f"engine busy {row['engine_busy']:.0%} "
                     f"({row['engine_ms_per_batch']:.2f} ms/batch, ceiling "
                     f"{row['ceiling_ms_per_batch']:.2f} at {max_batch}), "
@@ -692,6 +698,14 @@ def main() -> None:
         "per call the engine runs at once, i.e. one per core for a 1-thread ONNX Runtime engine)",
     )
     p.add_argument(
+        "--standby",
+        type=workers_arg,
+        default="auto",
+        help="batcher standby threads (run only at low load while the workers are busy): a "
+        "count or 'auto' (default, the Batcher's: the calls the engine runs at once beyond the "
+        "workers, i.e. 1 for a 1-thread ONNX Runtime engine on 2 cores)",
+    )
+    p.add_argument(
         "--trace",
         action="store_true",
         help="at the lowest rate, print each of the slowest 2%% of requests' timeline (late "
@@ -719,7 +733,8 @@ def main() -> None:
     print(f"host: {cpu_name()}; ISA: {' '.join(sorted(cpu_flags())) or 'unknown'}")
     print(f"load average {load:.1f} on {os.cpu_count()} CPUs (a loaded machine skews every cell)")
     print(
-        f"batcher: max_delay_ms={MAX_DELAY_MS}, adaptive dispatch, workers={args.workers}; pool: "
+        f"batcher: max_delay_ms={MAX_DELAY_MS}, adaptive dispatch, workers={args.workers}, "
+        f"standby={args.standby}; pool: "
         f"{POOL_THREADS} threads; ONNX Runtime intra-op threads: {args.threads or 'default'}; "
         f"switch interval {sys.getswitchinterval() * 1e3:g} ms"
     )
@@ -757,6 +772,7 @@ def main() -> None:
             "load_average": load,
             "intra_op_threads": args.threads,
             "workers": args.workers,
+            "standby": args.standby,
             "switch_interval_s": sys.getswitchinterval(),
             "seconds_per_cell": args.seconds,
             "arrival_seed": args.seed,

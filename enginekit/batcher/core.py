@@ -1,11 +1,15 @@
 """Batcher: many small requests from threads or asyncio, one engine, full batches.
 
-Threads: ``workers`` engine threads and one helper. An idle worker waits on the queue itself and
+Threads: ``workers`` engine threads, ``standby`` ones and one helper. An idle worker waits on the queue itself and
 is woken by submit() only when a batch could be ready (the policy says at how many rows, or at
 what time, the answer flips), so a request reaches the engine with one thread switch. A worker
 hands each finished batch to the helper, which splits the outputs and resolves the futures while
 the worker already runs the next batch; the helper also sleeps until the next queued deadline,
-so a request expires on time even while every worker is inside the engine.
+so a request expires on time even while every worker is inside the engine. A standby thread
+runs a batch only while every worker is inside the engine and arrivals are sparse: at low load a
+request that arrives during another's call runs beside it on an engine that runs calls side by
+side, instead of waiting it out; under load it stays asleep, leaving the cores to the workers and
+to the Python side of submitting and resolving.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from enginekit.batcher.defaults import (
     positive,
     preferred_for,
     run_warmup,
+    standby_for,
     workers_for,
 )
 from enginekit.batcher.helper import HelperThread, Prepared
@@ -35,6 +40,7 @@ from enginekit.batcher.metrics import Metrics, prometheus, snapshot
 from enginekit.batcher.policy import ArrivalRate, CostModel, decide, take_size
 from enginekit.batcher.queue import WaitQueue
 from enginekit.batcher.request import Key, Layout, Request
+from enginekit.batcher.standby import StandbyThreads, Taken
 from enginekit.engine import Engine
 from enginekit.errors import (
     BatcherClosed,
@@ -47,11 +53,9 @@ log = logging.getLogger(__name__)
 
 # A worker resolves a batch of at most this many requests itself even when more wait.
 INLINE_RESOLVE = 4
-# What a worker runs next: taken requests or a prepared batch, and requests that expired.
-Taken = tuple["list[Request] | None", list[Request], "Prepared | None"]
 
 
-class Batcher(HelperThread):
+class Batcher(HelperThread, StandbyThreads):
     """Gathers single samples (or small batches) into batches for one engine.
 
     Args:
@@ -67,6 +71,12 @@ class Batcher(HelperThread):
             the engine runs at once by its own build — an ONNX Runtime CPU engine with
             ``intra_op_threads=k`` gets ``cores // k``, an OpenVINO engine one per CPU stream,
             any other engine 1).
+        standby: engine threads that run a request only while every worker is inside the
+            engine and fewer than one request per two batch-1 calls arrives ("auto", the
+            default: as many as the engine runs calls side by side beyond ``workers`` — 1 for a
+            1-thread ONNX Runtime engine on 2 cores, 0 for ONNX Runtime's default build). At
+            low load a request arriving during another's call then runs beside it; under load
+            they stay asleep (0: never).
         adaptive: send a batch before the window ends when waiting is not expected to pay
             (measured engine time against arrivals); False waits out every window.
         preferred_sizes: batch sizes to form when more rows wait ("auto": the engine's padding
@@ -90,6 +100,7 @@ class Batcher(HelperThread):
         max_queue: int = 1024,
         timeout_ms: float | None = None,
         workers: int | str = 1,
+        standby: int | str = "auto",
         adaptive: bool = True,
         preferred_sizes: Sequence[int] | str = "auto",
         starvation_ms: float | None = None,
@@ -105,12 +116,14 @@ class Batcher(HelperThread):
         positive("max_batch_size", max_batch_size, integer=True)
         positive("max_queue", max_queue, integer=True)
         workers = workers_for(engine, workers)
+        standby = standby_for(engine, standby, workers)
         if max_delay_ms < 0:
             raise UsageError(f"max_delay_ms={max_delay_ms}: expected >= 0 (0 sends at once)")
         if timeout_ms is not None:
             positive("timeout_ms", timeout_ms)
         self.max_batch_size = int(max_batch_size)
         self.workers = workers
+        self.standby = standby
         self.max_delay = max_delay_ms / 1e3
         self.max_queue = int(max_queue)
         self.timeout = timeout_ms / 1e3 if timeout_ms is not None else None
@@ -131,8 +144,13 @@ class Batcher(HelperThread):
         self._cv = threading.Condition(self._lock)
         # Finished batches, expired requests and wake-ups for the helper thread; None stops it.
         self._done: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-        self._workers = self._running = int(workers)
+        self._workers = int(workers)
+        self._running = self._workers + standby
         self._idle = 0  # workers waiting on the queue
+        # Standby threads wait on their own Condition (same lock): submit() wakes one only when
+        # no worker is idle and arrivals are sparse; _wake_newest() never picks one.
+        self._standby_cv = threading.Condition(self._lock)
+        self._standby_idle = 0
         self._plan: dict[Key, int] = {}  # group -> rows at which a waiting worker looks again
         self._wake_at = math.inf  # when a waiting worker looks again by itself
         self._timer_at = math.inf  # when the helper looks for expired requests by itself
@@ -144,10 +162,19 @@ class Batcher(HelperThread):
         if warmup:
             for rows, seconds in run_warmup(engine, self.max_batch_size):
                 self._cost.observe(rows, seconds)
-        self._threads = [
-            threading.Thread(target=self._work, name=f"batcher-{name}-worker{i}", daemon=True)
-            for i in range(self._workers)
-        ] + [threading.Thread(target=self._help, name=f"batcher-{name}-helper", daemon=True)]
+        self._threads = (
+            [
+                threading.Thread(target=self._work, name=f"batcher-{name}-worker{i}", daemon=True)
+                for i in range(self._workers)
+            ]
+            + [
+                threading.Thread(
+                    target=self._work, args=(True,), name=f"batcher-{name}-standby{i}", daemon=True
+                )
+                for i in range(standby)
+            ]
+            + [threading.Thread(target=self._help, name=f"batcher-{name}-helper", daemon=True)]
+        )
         for t in self._threads:
             t.start()
 
@@ -203,6 +230,8 @@ class Batcher(HelperThread):
             if self._idle:
                 if rows >= self._plan.get(request.key, 1) or now >= self._wake_at:
                     self._wake_newest()
+            elif self._standby_idle and self._quiet(now):
+                self._standby_cv.notify()
             elif rows == self.max_batch_size and self._prepared is None:
                 self._done.put(("wake",))  # every worker is busy: the helper collates it
             if request.deadline < self._timer_at:
@@ -238,7 +267,8 @@ class Batcher(HelperThread):
                 queue_depth=self._queue.count,
                 queue_rows=self._queue.rows,
                 workers=self._workers,
-                running_batches=self._running - self._idle,
+                standby=self.standby,
+                running_batches=self._running - self._idle - self._standby_idle,
                 arrival_rate_per_s=0.0 if math.isinf(gap) or gap <= 0 else 1.0 / gap,
                 model={
                     "fixed_ms": self._cost.fixed * 1e3,
@@ -267,6 +297,7 @@ class Batcher(HelperThread):
             dropped = [] if drain else self._queue.take_all()
             self._metrics.outcomes["closed"] += len(dropped)
             self._cv.notify_all()
+            self._standby_cv.notify_all()
         error = BatcherClosed(f"batcher {self.name!r} closed without draining before this ran")
         for r in dropped:
             if r.future.set_running_or_notify_cancel():
@@ -316,11 +347,11 @@ class Batcher(HelperThread):
 
     # -- the engine threads ----------------------------------------------------------------------
 
-    def _work(self) -> None:
+    def _work(self, standby: bool = False) -> None:
         """An engine thread: take the next batch (one the helper prepared, or a ready one from
         the queue, waiting as long as there is none), run it, hand the outputs to the helper,
         which resolves the futures while this one runs the next batch. Returns once closing
-        and nothing is left to run."""
+        and nothing is left to run (a standby thread: once closing)."""
         engine, lock, done = self.engine, self._lock, self._done
         ran: tuple[int, float, bool] | None = None
         buffers: dict[Any, np.ndarray] = {}
@@ -329,7 +360,7 @@ class Batcher(HelperThread):
                 if ran is not None:
                     self._ran(*ran)
                     self._buffer_sets.append(buffers)
-                taken = self._take()
+                taken = self._take_standby() if standby else self._take()
                 if taken is not None and taken[0] is not None:
                     buffers = self._buffer_sets.pop() if self._buffer_sets else {}
             if taken is None:

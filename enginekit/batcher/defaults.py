@@ -90,6 +90,18 @@ def workers_for(engine: Engine, workers: int | str) -> int:
     return workers
 
 
+def standby_for(engine: Engine, standby: int | str, workers: int) -> int:
+    """The ``standby`` argument checked, with "auto" resolved for ``engine``: the calls the
+    engine runs side by side beyond the ``workers`` already running them."""
+    if isinstance(standby, str):
+        if standby != "auto":
+            raise UsageError(f"standby={standby!r}: expected 'auto' or a count >= 0")
+        return max(engine_concurrency(engine) - workers, 0)
+    if isinstance(standby, bool) or not isinstance(standby, int) or standby < 0:
+        raise UsageError(f"standby={standby!r}: expected 'auto' or a count >= 0")
+    return standby
+
+
 def positive(name: str, value: float, integer: bool = False) -> None:
     """Raise UsageError naming ``name`` unless ``value`` is a positive number (or integer)."""
     if (integer and (isinstance(value, bool) or not isinstance(value, int))) or value <= 0:

@@ -21,6 +21,7 @@ class Metrics:
         self.submitted = 0
         self.batches = 0
         self.prepared = 0  # batches collated by the helper while the engine ran another
+        self.standby_batches = 0  # batches a standby thread ran
         self.batch_rows: Counter[int] = Counter()
         self.queue_wait: deque[float] = deque(maxlen=_WINDOW)
         self.engine: deque[float] = deque(maxlen=_WINDOW)
@@ -66,6 +67,7 @@ def snapshot(m: Metrics, **gauges: Any) -> dict[str, Any]:
         **{k: m.outcomes[k] for k in OUTCOMES},
         "batches": m.batches,
         "prepared_batches": m.prepared,
+        "standby_batches": m.standby_batches,
         "mean_batch_size": total_rows / m.batches if m.batches else 0.0,
         "batch_size": dict(sorted(m.batch_rows.items())),
         "dispatch_reasons": dict(m.reasons),

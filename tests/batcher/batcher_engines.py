@@ -8,6 +8,7 @@ make one batch fail); the outputs it returns are the real engine's.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from models import CASES
 import enginekit as ek
 
 POISON = 666.0  # a CNN row whose first pixel is this makes Held raise
+BLOCK = 777.0  # a row whose first pixel is this holds its batch in Blocking until the gate opens
 
 
 def build(onnx_model: Any, name: str) -> ek.Engine:
@@ -54,3 +56,33 @@ class Held(ek.Engine):
     def hold(self) -> None:
         self.gate.clear()
         self.started.clear()
+
+
+class Blocking(ek.Engine):
+    """Runs ``inner`` (after ``delay`` seconds); a batch with a BLOCK row waits at ``gate``;
+    claims ``manifest`` (what the Batcher reads to count the calls it can run side by side)."""
+
+    def __init__(self, inner: ek.Engine, manifest: dict, delay: float = 0.0) -> None:
+        super().__init__(inner.inputs, inner.outputs, inner.profiles, manifest)
+        self.inner = inner
+        self.delay = delay
+        self.gate = threading.Event()
+        self.blocked = threading.Event()
+
+    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        first = next(iter(feeds.values()))
+        if BLOCK in first.reshape(len(first), -1)[:, 0]:
+            self.blocked.set()
+            if not self.gate.wait(30):
+                raise RuntimeError("test gate never opened")
+        if self.delay:
+            time.sleep(self.delay)
+        return self.inner.infer(feeds)
+
+
+def ort_cpu(threads: int, **options: object) -> dict:
+    """The manifest of an ONNX Runtime CPU build with ``intra_op_threads=threads``."""
+    return {
+        "backend": {"name": "onnxruntime", "metadata": {"providers": ["CPUExecutionProvider"]}},
+        "config": {"options": {"intra_op_threads": threads, **options}},
+    }

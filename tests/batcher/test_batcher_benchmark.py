@@ -30,7 +30,7 @@ def test_quick_run_reports_every_mode_at_every_rate(script, onnx_model):
     def make(n):
         return rng.standard_normal((n, 3, 16, 16)).astype(np.float32)
 
-    args = argparse.Namespace(quick=True, seconds=0.1, workers="auto")
+    args = argparse.Namespace(quick=True, seconds=0.1, workers="auto", standby="auto")
     rows = script.run_model("cnn", engine, make, 8, args)
     engine.close()
     modes = [(r["fraction"], r["mode"]) for r in rows if "fraction" in r]
@@ -49,6 +49,7 @@ def test_quick_run_reports_every_mode_at_every_rate(script, onnx_model):
         top["throughput_arriving"] / top["ceiling_beside_generator"]
     )
     assert 0 <= top["full_batches"] <= 1 and top["engine_ms_per_batch"] > 0
+    assert top["standby_batches"] <= top["standby"] * 10**6  # counted for every cell
     goals = script.goals_for("cnn", rows)
     assert [g[0].split(":")[1].split()[0] for g in goals] == ["highest", "lowest-rate"]
 
@@ -112,7 +113,7 @@ def test_trace_tells_what_made_each_slow_request_slow(script):
 def test_quick_run_with_trace_reports_the_lone_call_and_the_tail(script, onnx_model, capsys):
     engine = build(onnx_model, "cnn")
     rng = np.random.default_rng(0)
-    args = argparse.Namespace(quick=True, seconds=0.1, workers=1, trace=True)
+    args = argparse.Namespace(quick=True, seconds=0.1, workers=1, standby="auto", trace=True)
     rows = script.run_model(
         "cnn", engine, lambda n: rng.standard_normal((n, 3, 16, 16)).astype(np.float32), 8, args
     )

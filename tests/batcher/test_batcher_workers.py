@@ -9,14 +9,12 @@ import time
 
 import numpy as np
 import pytest
-from batcher_engines import build, rows
+from batcher_engines import BLOCK, Blocking, build, ort_cpu, rows
 from models import CASES
 
 import enginekit as ek
 from enginekit.batcher import defaults
 from enginekit.batcher.defaults import engine_concurrency
-
-BLOCK = 777.0  # a row whose first pixel is this holds its batch until the test opens the gate
 
 
 @pytest.fixture(scope="module")
@@ -24,31 +22,6 @@ def cnn(onnx_model):
     engine = build(onnx_model, "cnn")
     yield engine
     engine.close()
-
-
-class Blocking(ek.Engine):
-    """Runs ``inner``; a batch with a BLOCK row waits at ``gate``; claims ``manifest``."""
-
-    def __init__(self, inner: ek.Engine, manifest: dict) -> None:
-        super().__init__(inner.inputs, inner.outputs, inner.profiles, manifest)
-        self.inner = inner
-        self.gate = threading.Event()
-        self.blocked = threading.Event()
-
-    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        first = next(iter(feeds.values()))
-        if BLOCK in first.reshape(len(first), -1)[:, 0]:
-            self.blocked.set()
-            if not self.gate.wait(30):
-                raise RuntimeError("test gate never opened")
-        return self.inner.infer(feeds)
-
-
-def ort_cpu(threads: int, **options: object) -> dict:
-    return {
-        "backend": {"name": "onnxruntime", "metadata": {"providers": ["CPUExecutionProvider"]}},
-        "config": {"options": {"intra_op_threads": threads, **options}},
-    }
 
 
 def test_auto_follows_what_the_engine_build_says(cnn, monkeypatch):

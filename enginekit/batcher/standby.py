@@ -1,0 +1,82 @@
+"""The Batcher's standby engine threads: calls beside a running one, only at low load.
+
+With one worker, a request that arrives while a batch is inside the engine waits out that
+batch, even on an engine that runs calls side by side on idle cores (a 1-thread ONNX Runtime
+engine on 2 cores): at low load those requests make the latency tail (about twice a lone
+call). A standby thread runs a batch only while no worker is idle, no full batch is being
+collated and arrivals are sparse (fewer than ``QUIET`` expected during one batch-1 call);
+under load it sleeps, since there the second core is worth more to the Python side of
+submitting and resolving than to a second engine call (measured: two workers at overload
+reached 0.50-0.79 of a two-call ceiling, one worker 0.9-1.0 of its one-call ceiling). A mixin
+of :class:`enginekit.batcher.core.Batcher`, whose constructor sets the state declared here.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+from enginekit.batcher.helper import Prepared
+from enginekit.batcher.metrics import Metrics
+from enginekit.batcher.policy import ArrivalRate, CostModel
+from enginekit.batcher.queue import WaitQueue
+from enginekit.batcher.request import Key, Request
+
+# What an engine thread runs next: taken requests or a prepared batch, and requests that expired.
+Taken = tuple["list[Request] | None", list[Request], "Prepared | None"]
+# A standby thread runs only while fewer than this many requests are expected to arrive during
+# one batch-1 call (arrival rate x the cost model's batch-1 time): sparse arrivals, idle cores.
+QUIET = 0.5
+
+
+class StandbyThreads:
+    """When a standby thread runs (see the module docstring)."""
+
+    # Set by Batcher.__init__; guarded by _lock (= the Conditions' lock).
+    _standby_cv: threading.Condition
+    _standby_idle: int
+    _closing: bool
+    _idle: int
+    _queue: WaitQueue
+    _metrics: Metrics
+    _cost: CostModel
+    _arrivals: ArrivalRate
+    _prepared: Prepared | None
+    _preparing: bool
+
+    def _ready(self, now: float) -> tuple[list[Request] | None, float, dict[Key, int]]:
+        raise NotImplementedError  # Batcher's: which requests to send now
+
+    def _quiet(self, now: float) -> bool:
+        """Whether arrivals are sparse enough for a standby thread to run (under the lock)."""
+        return self._cost.predict(1) < QUIET * self._arrivals.expected_gap(now)
+
+    def _take_standby(self) -> Taken | None:
+        """What a standby thread runs next (see :meth:`_take`): ready requests, only while no
+        worker is idle, no full batch is being prepared (the sign of load) and arrivals are
+        sparse; None once closing (the workers drain the queue)."""
+        cv, q = self._standby_cv, self._queue
+        while True:
+            if self._closing:
+                return None
+            now = time.monotonic()
+            wake = math.inf
+            if (
+                q.count
+                and not self._idle
+                and self._prepared is None
+                and not self._preparing
+                and self._quiet(now)
+            ):
+                expired = q.expire(now) if q.has_deadlines else []
+                if expired:
+                    self._metrics.outcomes["expired"] += len(expired)
+                taken, wake, _ = self._ready(now)
+                if taken or expired:
+                    if taken:
+                        self._metrics.standby_batches += 1
+                    return taken or [], expired, None
+            self._standby_idle += 1
+            cv.wait(None if math.isinf(wake) else max(wake - now, 0.0))
+            self._standby_idle -= 1
