@@ -34,7 +34,7 @@ format: $(VENV)/.test-installed
 	$(BIN)/ruff check --fix enginekit tests benchmarks examples corpus
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The whole corpus of real architectures on every backend available here; writes docs/coverage.md.
 corpus: $(VENV)/.test-installed
