@@ -7,17 +7,10 @@ import time
 
 import numpy as np
 import pytest
-from batcher_engines import BLOCK, Blocking, build, ort_cpu, rows
+from batcher_engines import BLOCK, Blocking, ort_cpu, rows
 
 import enginekit as ek
 from enginekit.batcher import defaults
-
-
-@pytest.fixture(scope="module")
-def cnn(onnx_model):
-    engine = build(onnx_model, "cnn")
-    yield engine
-    engine.close()
 
 
 @pytest.fixture
