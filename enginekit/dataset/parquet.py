@@ -87,6 +87,9 @@ class ParquetSource(Source):
         import pyarrow.parquet as pq
 
         step = read_rows(size, self.inputs)
+        # The first piece is one batch: the engine starts on it while the reader goes on, not
+        # after a whole read of ``step`` rows.
+        first = size
         row = 0
         for f, groups in zip(self.files, self._meta):
             total = sum(groups)
@@ -110,10 +113,11 @@ class ParquetSource(Source):
                     if data is not None:
                         try:
                             for piece in self._fast_group(
-                                pf, data, leaves, g, n, skip, step, f, row
+                                pf, data, leaves, g, n, skip, (first, step), f, row
                             ):
                                 yield piece
                                 got += piece.rows
+                                first = step
                             self.groups_fast += 1
                         except pages.Unsupported:
                             pass  # the rest of the group (from ``got``) through pyarrow
@@ -158,9 +162,10 @@ class ParquetSource(Source):
 
     def _fast_group(
         self, pf: Any, data: memoryview, leaves: dict[str, _Leaf], g: int, n: int, skip: int,
-        step: int, f: Path, row0: int,
+        steps: tuple[int, int], f: Path, row0: int,
     ) -> Iterator[Piece]:  # fmt: skip
-        """Rows ``skip:`` of row group ``g``: tensor inputs by the page reader, ids by pyarrow.
+        """Rows ``skip:`` of row group ``g``: tensor inputs by the page reader, ids by pyarrow;
+        pieces of ``steps[0]`` rows, then ``steps[1]``.
 
         Raises:
             pages.Unsupported: before yielding the piece it could not read.
@@ -176,7 +181,8 @@ class ParquetSource(Source):
         others = [k for k in self._needed() if k not in {self.mapping[i] for i in leaves}]
         table = pf.read_row_group(g, columns=others, use_threads=False) if others else None
         cols = {k: _array(table.column(k)) for k in others} if table is not None else {}
-        for lo in range(skip, n, step):
+        lo, step = skip, steps[0]
+        while lo < n:
             rows = min(step, n - lo)
             feeds = {}
             for spec in self.inputs:
@@ -193,6 +199,7 @@ class ParquetSource(Source):
             else:
                 ids = _row_ids(row0 + lo, rows)
             yield Piece(ids, feeds, rows)
+            lo, step = lo + rows, steps[1]
 
 
 class _Leaf:
