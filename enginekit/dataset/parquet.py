@@ -219,8 +219,10 @@ class _Values:
         self.dtype = column.dtype
         self.left: np.ndarray = np.empty(0, column.dtype)
 
-    def take(self, count: int) -> np.ndarray:
-        out = np.empty(count, self.dtype)
+    def take(self, count: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The next ``count`` values, in ``out`` when given (a slice of a larger array: no
+        second copy to join runs)."""
+        out = np.empty(count, self.dtype) if out is None else out
         at = 0
         while at < count:
             if not len(self.left):
@@ -311,33 +313,61 @@ def read_group(
     path: str | Path, group: int, columns: Sequence[str] | None = None, skip: int = 0
 ) -> Any:
     """Rows ``skip:`` of one row group as a pyarrow Table, tensor columns by the page reader
-    (rebuilt as their own Arrow type around the values, without a copy); for Ray's read tasks.
-    """
-    import pyarrow as pa
+    (rebuilt as their own Arrow type around the values, without a copy)."""
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(path, memory_map=True)
     n = pf.metadata.row_group(group).num_rows
-    columns = list(pf.schema_arrow.names if columns is None else columns)
-    leaves = _tensor_leaves(pf, columns)
+    names = list(pf.schema_arrow.names if columns is None else columns)
+    return read_groups([(str(path), group, skip, n - skip)], names)
+
+
+def read_groups(pieces: Sequence[tuple[str, int, int, int]], columns: Sequence[str]) -> Any:
+    """Rows of several row groups — ``(file, group, first row, rows)`` each, in order — as one
+    pyarrow Table whose tensor columns are each ONE buffer: the page reader writes every
+    piece's values straight into it (joining per-group tables would leave chunks that the
+    engine's input needs joined: a second copy of every input). A piece it cannot read that
+    way sends the whole column to pyarrow, piece by piece; for Ray's read tasks."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = {f: pq.ParquetFile(f, memory_map=True) for f, *_ in pieces}
+    total = sum(take for *_, take in pieces)
+    leaves = {f: _tensor_leaves(pf, columns) for f, pf in files.items()}
+    maps = {f: _map(Path(f)) for f in files if leaves[f]}
     fast: dict[str, Any] = {}
-    if leaves:
-        data = _map(Path(path))
-        meta = pf.metadata.row_group(group)
-        for col, leaf in leaves.items():
-            chunk = meta.column(leaf.index)
-            if chunk.num_values != n * leaf.size:
-                continue
-            try:
-                column = pages.Column(data, chunk, leaf.max_def, leaf.max_rep)
-                values = _Values(column, skip * leaf.size)
-                flat = values.take((n - skip) * leaf.size)
-            except pages.Unsupported:
-                continue
-            fast[col] = _as_type(flat, pf.schema_arrow.field(col).type, leaf.size)
+    first = files[pieces[0][0]]
+    for col in columns:
+        leaf = leaves[pieces[0][0]].get(col)
+        if leaf is None or any(
+            (got := leaves[f].get(col)) is None
+            or (got.shape, got.index) != (leaf.shape, leaf.index)
+            for f in files
+        ):
+            continue
+        dtype = pages.PHYSICAL[first.metadata.schema.column(leaf.index).physical_type]
+        flat = np.empty(total * leaf.size, dtype)
+        at = 0
+        try:
+            for f, g, skip, take in pieces:
+                chunk = files[f].metadata.row_group(g).column(leaf.index)
+                if chunk.num_values != files[f].metadata.row_group(g).num_rows * leaf.size:
+                    raise pages.Unsupported("value count")
+                column = pages.Column(maps[f], chunk, leaf.max_def, leaf.max_rep)
+                n = take * leaf.size
+                _Values(column, skip * leaf.size).take(n, flat[at : at + n])
+                at += n
+        except pages.Unsupported:
+            continue
+        fast[col] = _as_type(flat, first.schema_arrow.field(col).type, leaf.size)
     rest = [c for c in columns if c not in fast]
     if rest:
-        table = pf.read_row_group(group, columns=rest, use_threads=False).slice(skip)
+        table = pa.concat_tables(
+            [
+                files[f].read_row_group(g, columns=rest, use_threads=False).slice(skip, take)
+                for f, g, skip, take in pieces
+            ]
+        )
         fast.update({c: table.column(c) for c in rest})
     return pa.table({c: fast[c] for c in columns})
 

@@ -403,26 +403,24 @@ def read_dataset(
         parts.append({"pieces": json.dumps(pieces)})
         lo = hi
     needed = list(dict.fromkeys([*src.mapping.values(), *src.keep]))
-    pool = {} if concurrency is None else {"compute": ray.data.TaskPoolStrategy(size=concurrency)}
+    pool = None if concurrency is None else ray.data.TaskPoolStrategy(size=concurrency)
     return ray.data.from_items(parts, override_num_blocks=max(1, len(parts))).map_batches(
         read_row_groups, batch_size=1, batch_format="pyarrow", fn_kwargs={"columns": needed},
-        num_cpus=num_cpus, **pool,
+        num_cpus=num_cpus, compute=pool,
     )  # fmt: skip
 
 
 def read_row_groups(batch: Any, columns: list[str] | None = None) -> Any:
-    """A Ray read task: each item's pieces (JSON: file, row group, first row, rows), concatenated
-    (tensor columns by the page reader, as in a local run)."""
-    import pyarrow as pa
+    """A Ray read task: each item's pieces (JSON: file, row group, first row, rows) as one
+    table, tensor columns by the page reader into one buffer each (as in a local run)."""
+    from enginekit.dataset.parquet import read_groups
 
-    from enginekit.dataset.parquet import read_group
+    pieces = [tuple(p) for item in batch.column("pieces").to_pylist() for p in json.loads(item)]
+    if columns is None:
+        import pyarrow.parquet as pq
 
-    tables = [
-        read_group(f, g, columns, skip).slice(0, take)
-        for pieces in batch.column("pieces").to_pylist()
-        for f, g, skip, take in json.loads(pieces)
-    ]
-    return pa.concat_tables(tables)
+        columns = list(pq.ParquetFile(pieces[0][0]).schema_arrow.names)
+    return read_groups(pieces, columns)
 
 
 def _ids(batch: Mapping[str, np.ndarray], names: list[str], at: int, n: int) -> dict[str, Any]:
