@@ -94,11 +94,13 @@ class Ledger:
         """Rows covered by the committed shards (they always form a prefix)."""
         return sum(int(s["rows"]) for s in self.shards)
 
-    def commit(self, index: int, file: str, rows: int) -> None:
-        """Record a shard whose file is already in place."""
+    def commit(self, index: int, file: str, rows: int, last: bool = False) -> None:
+        """Record a shard whose file is already in place (``last``: the source's last rows,
+        so the output is complete: one save for both)."""
         if index != len(self.shards):
             raise DatasetError(f"ledger: shard {index} committed out of order")
         self.shards.append({"index": index, "file": file, "rows": rows})
+        self.complete = self.complete or last
         self.save()
 
     def finish(self) -> None:

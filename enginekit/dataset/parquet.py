@@ -87,6 +87,9 @@ class ParquetSource(Source):
         import pyarrow.parquet as pq
 
         step = read_rows(size, self.inputs)
+        # The first piece is one batch: the engine starts on it while the reader goes on, not
+        # after a whole read of ``step`` rows.
+        first = size
         row = 0
         for f, groups in zip(self.files, self._meta):
             total = sum(groups)
@@ -110,10 +113,11 @@ class ParquetSource(Source):
                     if data is not None:
                         try:
                             for piece in self._fast_group(
-                                pf, data, leaves, g, n, skip, step, f, row
+                                pf, data, leaves, g, n, skip, (first, step), f, row
                             ):
                                 yield piece
                                 got += piece.rows
+                                first = step
                             self.groups_fast += 1
                         except pages.Unsupported:
                             pass  # the rest of the group (from ``got``) through pyarrow
@@ -158,9 +162,10 @@ class ParquetSource(Source):
 
     def _fast_group(
         self, pf: Any, data: memoryview, leaves: dict[str, _Leaf], g: int, n: int, skip: int,
-        step: int, f: Path, row0: int,
+        steps: tuple[int, int], f: Path, row0: int,
     ) -> Iterator[Piece]:  # fmt: skip
-        """Rows ``skip:`` of row group ``g``: tensor inputs by the page reader, ids by pyarrow.
+        """Rows ``skip:`` of row group ``g``: tensor inputs by the page reader, ids by pyarrow;
+        pieces of ``steps[0]`` rows, then ``steps[1]``.
 
         Raises:
             pages.Unsupported: before yielding the piece it could not read.
@@ -176,7 +181,8 @@ class ParquetSource(Source):
         others = [k for k in self._needed() if k not in {self.mapping[i] for i in leaves}]
         table = pf.read_row_group(g, columns=others, use_threads=False) if others else None
         cols = {k: _array(table.column(k)) for k in others} if table is not None else {}
-        for lo in range(skip, n, step):
+        lo, step = skip, steps[0]
+        while lo < n:
             rows = min(step, n - lo)
             feeds = {}
             for spec in self.inputs:
@@ -193,6 +199,7 @@ class ParquetSource(Source):
             else:
                 ids = _row_ids(row0 + lo, rows)
             yield Piece(ids, feeds, rows)
+            lo, step = lo + rows, steps[1]
 
 
 class _Leaf:
@@ -212,8 +219,10 @@ class _Values:
         self.dtype = column.dtype
         self.left: np.ndarray = np.empty(0, column.dtype)
 
-    def take(self, count: int) -> np.ndarray:
-        out = np.empty(count, self.dtype)
+    def take(self, count: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The next ``count`` values, in ``out`` when given (a slice of a larger array: no
+        second copy to join runs)."""
+        out = np.empty(count, self.dtype) if out is None else out
         at = 0
         while at < count:
             if not len(self.left):
@@ -304,33 +313,61 @@ def read_group(
     path: str | Path, group: int, columns: Sequence[str] | None = None, skip: int = 0
 ) -> Any:
     """Rows ``skip:`` of one row group as a pyarrow Table, tensor columns by the page reader
-    (rebuilt as their own Arrow type around the values, without a copy); for Ray's read tasks.
-    """
-    import pyarrow as pa
+    (rebuilt as their own Arrow type around the values, without a copy)."""
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(path, memory_map=True)
     n = pf.metadata.row_group(group).num_rows
-    columns = list(pf.schema_arrow.names if columns is None else columns)
-    leaves = _tensor_leaves(pf, columns)
+    names = list(pf.schema_arrow.names if columns is None else columns)
+    return read_groups([(str(path), group, skip, n - skip)], names)
+
+
+def read_groups(pieces: Sequence[tuple[str, int, int, int]], columns: Sequence[str]) -> Any:
+    """Rows of several row groups — ``(file, group, first row, rows)`` each, in order — as one
+    pyarrow Table whose tensor columns are each ONE buffer: the page reader writes every
+    piece's values straight into it (joining per-group tables would leave chunks that the
+    engine's input needs joined: a second copy of every input). A piece it cannot read that
+    way sends the whole column to pyarrow, piece by piece; for Ray's read tasks."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = {f: pq.ParquetFile(f, memory_map=True) for f, *_ in pieces}
+    total = sum(take for *_, take in pieces)
+    leaves = {f: _tensor_leaves(pf, columns) for f, pf in files.items()}
+    maps = {f: _map(Path(f)) for f in files if leaves[f]}
     fast: dict[str, Any] = {}
-    if leaves:
-        data = _map(Path(path))
-        meta = pf.metadata.row_group(group)
-        for col, leaf in leaves.items():
-            chunk = meta.column(leaf.index)
-            if chunk.num_values != n * leaf.size:
-                continue
-            try:
-                column = pages.Column(data, chunk, leaf.max_def, leaf.max_rep)
-                values = _Values(column, skip * leaf.size)
-                flat = values.take((n - skip) * leaf.size)
-            except pages.Unsupported:
-                continue
-            fast[col] = _as_type(flat, pf.schema_arrow.field(col).type, leaf.size)
+    first = files[pieces[0][0]]
+    for col in columns:
+        leaf = leaves[pieces[0][0]].get(col)
+        if leaf is None or any(
+            (got := leaves[f].get(col)) is None
+            or (got.shape, got.index) != (leaf.shape, leaf.index)
+            for f in files
+        ):
+            continue
+        dtype = pages.PHYSICAL[first.metadata.schema.column(leaf.index).physical_type]
+        flat = np.empty(total * leaf.size, dtype)
+        at = 0
+        try:
+            for f, g, skip, take in pieces:
+                chunk = files[f].metadata.row_group(g).column(leaf.index)
+                if chunk.num_values != files[f].metadata.row_group(g).num_rows * leaf.size:
+                    raise pages.Unsupported("value count")
+                column = pages.Column(maps[f], chunk, leaf.max_def, leaf.max_rep)
+                n = take * leaf.size
+                _Values(column, skip * leaf.size).take(n, flat[at : at + n])
+                at += n
+        except pages.Unsupported:
+            continue
+        fast[col] = _as_type(flat, first.schema_arrow.field(col).type, leaf.size)
     rest = [c for c in columns if c not in fast]
     if rest:
-        table = pf.read_row_group(group, columns=rest, use_threads=False).slice(skip)
+        table = pa.concat_tables(
+            [
+                files[f].read_row_group(g, columns=rest, use_threads=False).slice(skip, take)
+                for f, g, skip, take in pieces
+            ]
+        )
         fast.update({c: table.column(c) for c in rest})
     return pa.table({c: fast[c] for c in columns})
 

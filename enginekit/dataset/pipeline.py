@@ -40,6 +40,10 @@ _END = object()
 #: the engine's threads run first and I/O fill the gaps they leave; benchmarks/dataset.py
 #: measures both (see docs/batch-inference.md, "Where the time goes").
 IO_NICE = 0
+#: Engine calls queued per stream beyond the one running (streams > 1): a stream that finishes
+#: a call starts the next queued one at once, instead of waiting for the dispatching thread
+#: to wake, hand the result on and submit another.
+QUEUED = 1
 #: The engine waiting on a queue for more than this share of its loop names that stage the
 #: bottleneck; below it, the engine itself limited the run (reading and writing were hidden).
 WAIT_SHARE = 0.1
@@ -180,9 +184,12 @@ def _infer(engine: Engine, inputs: dict[str, np.ndarray], state: State) -> dict[
 def run_local(
     engine: Engine, src: Source, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
     size: int, shard_rows: int, start: int, prefetch: int, bar: Progress, state: State,
-    streams: int = 1,
+    streams: int = 1, total: int | None = None,
 ) -> int:  # fmt: skip
     """Rows from ``start`` through the engine into committed shards; returns the rows inferred.
+
+    ``total``: the source's rows, when known: the commit that reaches it also marks the ledger
+    complete (one save, not two, after the last batch).
 
     ``streams`` > 1 keeps that many engine calls in flight on worker threads (the engine is
     thread-safe); results still reach the writer in the source's order, so shards, the ledger
@@ -216,7 +223,7 @@ def run_local(
     began = time.perf_counter()
     reader = threading.Thread(target=read, name="enginekit-read", daemon=True)
     reader.start()
-    writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state)
+    writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state, total)
     rows = batches = 0
     first = infer = wait_input = wait_output = 0.0
     pool = (
@@ -226,12 +233,13 @@ def run_local(
     )
     # Calls in flight, oldest first: (batch without its inputs, its outputs' future).
     flight: collections.deque[tuple[Batch, Any]] = collections.deque()
+    depth = streams if pool is None else streams * (1 + QUEUED)
     try:
         ended = False
         while not ended or flight:
             t0 = time.perf_counter()
             batch = _END
-            if not ended and len(flight) < streams:
+            if not ended and len(flight) < depth:
                 batch = _get(inbox, state)
                 t1 = time.perf_counter()
                 if batches:
@@ -252,7 +260,7 @@ def run_local(
                         flight.append((done, pool.submit(_infer, engine, piece.inputs, state)))
                     t0 = time.perf_counter()
                     infer += t0 - t1 if pool is None else 0.0
-                if len(flight) < streams and not ended:
+                if len(flight) < depth and not ended:
                     continue  # fill every stream before waiting on the oldest
             if not flight:
                 continue
@@ -291,13 +299,14 @@ def run_local(
 def write_all(
     results: Iterator[tuple[Batch, dict[str, np.ndarray]]], led: ledger_mod.Ledger, out: Path,
     fmt: str, tensor_format: str, bar: Progress, state: State, prefetch: int,
+    total: int | None = None,
 ) -> int:  # fmt: skip
     """The writer for results computed elsewhere (Ray): same shards, same ledger."""
     outbox: queue.Queue = queue.Queue(prefetch)
     rows = batches = 0
     first = waited = wait_output = 0.0
     began = time.perf_counter()
-    writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state)
+    writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state, total)
     try:
         t0 = time.perf_counter()
         for item in results:
@@ -329,16 +338,17 @@ def write_all(
 
 def start_writer(
     outbox: queue.Queue, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
-    bar: Progress, state: State,
+    bar: Progress, state: State, total: int | None = None,
 ) -> threading.Thread:  # fmt: skip
-    """The writer thread: shards from ``outbox`` until the end mark; an error stops the run."""
+    """The writer thread: shards from ``outbox`` until the end mark; an error stops the run
+    (``total``: the source's rows, when known; see :func:`run_local`)."""
 
     def write() -> None:
         _lower_priority(IO_NICE)
         cpu = time.thread_time()
         busy = [0.0]
         try:
-            _write_loop(outbox, led, out, fmt, tensor_format, bar, state, busy)
+            _write_loop(outbox, led, out, fmt, tensor_format, bar, state, busy, total)
         except BaseException as exc:
             state.error = state.error or exc
             state.stop.set()
@@ -351,7 +361,7 @@ def start_writer(
 
 def _write_loop(
     outbox: queue.Queue, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
-    bar: Progress, state: State, busy: list[float],
+    bar: Progress, state: State, busy: list[float], total: int | None = None,
 ) -> None:  # fmt: skip
     """Write shards until the end mark, adding the seconds spent writing to ``busy[0]``."""
     # Only the ids and outputs of a shard's batches are kept until it is written: holding the
@@ -369,18 +379,18 @@ def _write_loop(
         parts.append((batch.piece.ids, batch.piece.rows, outputs))
         bar.advance(batch.piece.rows)
         if batch.last:
-            _commit(parts, shard, led, out, fmt, tensor_format)
+            _commit(parts, shard, led, out, fmt, tensor_format, total)
             parts, shard = [], shard + 1
         busy[0] += time.perf_counter() - t
     if parts and not state.stop.is_set():
         t = time.perf_counter()
-        _commit(parts, shard, led, out, fmt, tensor_format)
+        _commit(parts, shard, led, out, fmt, tensor_format, total)
         busy[0] += time.perf_counter() - t
 
 
 def _commit(
     parts: list[tuple[dict[str, Any], int, dict[str, np.ndarray]]], shard: int,
-    led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
+    led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str, total: int | None = None,
 ) -> None:  # fmt: skip
     # One concatenation per shard, not per batch: ids as Arrow arrays, outputs as numpy.
     ids = concat_ids([i for i, _, _ in parts]) if len(parts) > 1 else parts[0][0]
@@ -390,4 +400,5 @@ def _commit(
     }
     name = shard_name(shard, fmt)
     write_shard(out / name, ids, outputs, fmt, tensor_format)
-    led.commit(shard, name, sum(n for _, n, _ in parts))
+    rows = sum(n for _, n, _ in parts)
+    led.commit(shard, name, rows, last=total is not None and led.committed_rows() + rows >= total)

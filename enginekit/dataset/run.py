@@ -326,7 +326,8 @@ def _run(
             out / ledger_mod.NAME, model, src.fingerprint, src.description, size,
             rows_per_shard, settings,
         )  # fmt: skip
-        led.save()
+        # Saved once below, with how the engine runs: each save is an fsync before the first
+        # batch (a crash before then leaves an empty folder, which a rerun starts afresh).
     skipped_shards = len(led.shards)
     start = led.committed_rows()
     if start % rows_per_shard and not led.complete:
@@ -347,8 +348,11 @@ def _run(
         streams = stream_choice.streams
         threads = stream_choice.threads if alternate is not None else threads
     n_streams = int(streams)
+    unsaved = previous is None
     if not ray and led.engine != {"streams": n_streams, "threads": threads}:
         led.engine = {"streams": n_streams, "threads": threads}
+        unsaved = True
+    if unsaved:
         led.save()
     bar = Progress(src.rows, start, progress)
     state = State()
@@ -357,17 +361,20 @@ def _run(
             from enginekit.dataset.ray import ray_batches
 
             results = ray_batches(given, src, start, size, rows_per_shard, ray)
-            inferred = write_all(results, led, out, fmt, tensor_format, bar, state, prefetch)
+            inferred = write_all(
+                results, led, out, fmt, tensor_format, bar, state, prefetch, src.rows
+            )
         else:
             inferred = run_local(
                 alternate or engine, src, led, out, fmt, tensor_format, size, rows_per_shard,
-                start, prefetch, bar, state, n_streams,
+                start, prefetch, bar, state, n_streams, src.rows,
             )  # fmt: skip
     finally:
         bar.close()
         if alternate is not None:
             alternate.close()
-    led.finish()
+    if not led.complete:  # the writer marks it in the last commit when the rows are known
+        led.finish()
     summary = _summary(
         out, fmt, src, led, inferred, start, skipped_shards, size, choice, state, start_time,
         previous, ray,

@@ -151,6 +151,29 @@ def test_read_group_gives_pyarrow_s_table(tmp_path, layout):
     assert read_group(path, 2).equals(pq.ParquetFile(path).read_row_group(2))
 
 
+@pytest.mark.parametrize("layout", ["list", "tensor"])
+def test_read_groups_of_two_files_give_one_buffer_per_tensor_column(tmp_path, layout):
+    # A Ray read task's rows: the engine takes the column as it is, no join (a second copy).
+    from enginekit.dataset.parquet import read_groups
+
+    x = _rows(20)
+    for i, (lo, hi) in enumerate([(0, 12), (12, 20)]):
+        table = pa.table({"k": [f"r{j}" for j in range(lo, hi)], "x": from_numpy(x[lo:hi], layout)})
+        pq.write_table(table, tmp_path / f"{i}.parquet", row_group_size=5)
+    files = [str(tmp_path / "0.parquet"), str(tmp_path / "1.parquet")]
+    got = read_groups([(files[0], 1, 3, 2), (files[0], 2, 0, 2), (files[1], 0, 1, 4)], ["x", "k"])
+    assert got.column("x").num_chunks == 1 and got.column("x").type == table.column("x").type
+    ref = pa.concat_tables(
+        [
+            pq.ParquetFile(f).read_row_group(g, columns=["x", "k"]).slice(skip, take)
+            for f, g, skip, take in [(files[0], 1, 3, 2), (files[0], 2, 0, 2), (files[1], 0, 1, 4)]
+        ]
+    )
+    assert got.equals(ref) and got.column("k").to_pylist() == [
+        f"r{j}" for j in [8, 9, 10, 11, 13, 14, 15, 16]
+    ]
+
+
 def test_required_lists_and_values_read_by_pages(tmp_path):
     # No nullable level at all: the definition levels count only the lists (max_def = max_rep).
     x = _rows(9)

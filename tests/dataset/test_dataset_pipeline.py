@@ -203,3 +203,38 @@ def test_a_batch_that_runs_out_of_memory_is_halved_and_retried(ekit, tmp_path):
         ref = naive(inner, {"x": x}, 4)
     assert s.oom_retries == 5 and s.rows == 40  # each batch of 8 ran as two halves of 4
     np.testing.assert_array_equal(read_output(tmp_path / "out")["output"], ref["output"])
+
+
+def test_ledger_saved_once_before_the_first_batch_and_once_per_shard(ekit, tmp_path, monkeypatch):
+    # Each save is an fsync on the job's start or its tail: the first save carries how the
+    # engine runs, and the last shard's commit marks the output complete.
+    from enginekit.dataset import ledger
+
+    np.save(tmp_path / "x.npy", cnn_rows(20))
+    saves = []
+    real = ledger.Ledger.save
+    monkeypatch.setattr(
+        ledger.Ledger, "save", lambda self: saves.append(self.complete) or real(self)
+    )
+    with ek.load(ekit("cnn")) as engine:
+        s = ek.infer_dataset(
+            engine, tmp_path / "x.npy", tmp_path / "out", 4, shard_rows=8, streams=2
+        )
+    assert (s.rows, s.shards) == (20, 3)
+    assert saves == [False, False, False, True]  # start, 2 shards, last shard + complete
+    found = ledger.Ledger.read(tmp_path / "out")
+    assert found is not None and found.complete and found.engine["streams"] == 2
+
+
+def test_parquet_first_piece_is_one_batch_then_whole_reads(tmp_path):
+    # The engine starts on one batch instead of waiting for a whole read (READ_BYTES).
+    from enginekit.dataset.parquet import ParquetSource
+
+    path = write_parquet(
+        tmp_path / "p.parquet", {"x": tensor_column(cnn_rows(300))}, row_group_size=300
+    )
+    spec = [TensorSpec("x", "float32", ("batch", 3, 16, 16))]
+    src = ParquetSource(path, spec, None, None, False)
+    step = read_rows(4, spec)
+    sizes = [p.rows for p in src.pieces(0, 4)]
+    assert sizes[:2] == [4, min(step, 296)] and sum(sizes) == 300 and src.groups_fast == 1

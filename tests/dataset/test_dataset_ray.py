@@ -131,18 +131,24 @@ def test_killing_an_engine_process_mid_run_loses_and_duplicates_no_row(cluster, 
         )
 
 
-def test_reads_are_fused_into_the_engine_actors(cluster, ekit, parquet):
+@pytest.mark.parametrize("compute", ["actors", "tasks"])
+def test_reads_are_fused_into_the_engine_actors_or_tasks(cluster, ekit, parquet, compute):
+    # Unfused, every block of inputs goes through the object store. Ray Data fuses two task
+    # operators only when their pools have the same size: read_dataset(concurrency=).
     from enginekit.dataset.ray import read_dataset
     from enginekit.dataset.resolve import open_source
 
     artifact = ekit("cnn")
     with ek.load(artifact) as engine:
         src = open_source(parquet / "src", engine.inputs)
+    pool = 2 if compute == "tasks" else None
     mapped = ek.ray.map_engine(
-        read_dataset(src, 40), artifact, batch_size=None, batch_format="pyarrow"
-    ).materialize()
+        read_dataset(src, 40, concurrency=pool), artifact, batch_size=None,
+        batch_format="pyarrow", compute=compute, concurrency=pool or 1,
+    ).materialize()  # fmt: skip
     stats = mapped.stats()
-    assert "MapBatches(read_row_groups)->MapBatches(EngineActor)" in stats
+    name = "EngineActor" if compute == "actors" else "map_block"
+    assert f"MapBatches(read_row_groups)->MapBatches({name})" in stats
     assert mapped.count() == 80  # from row 40 on
 
 
