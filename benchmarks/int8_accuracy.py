@@ -21,6 +21,7 @@ accuracy-aware int8 >= 97% top-1 agreement with fp32 at >= 1.5x fp32 speed (same
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -91,11 +92,13 @@ def mobilenet_v2(path: Path) -> Path:
     weights = Path(get_weights_dir()) / "mobilenet_v2-b0353104.pth"
     model.load_state_dict(torch.load(weights, map_location="cpu"))
     model.eval()
-    torch.onnx.export(
-        model, (torch.zeros(1, 3, 224, 224),), str(path), input_names=["x"],
-        output_names=["logits"], dynamo=True, external_data=False,
-        dynamic_shapes={"x": {0: torch.export.Dim("batch", max=256)}},
-    )  # fmt: skip
+    # The exporter prints its progress on stdout, which --json keeps for the JSON alone.
+    with contextlib.redirect_stdout(sys.stderr):
+        torch.onnx.export(
+            model, (torch.zeros(1, 3, 224, 224),), str(path), input_names=["x"],
+            output_names=["logits"], dynamo=True, external_data=False,
+            dynamic_shapes={"x": {0: torch.export.Dim("batch", max=256)}},
+        )  # fmt: skip
     return path
 
 

@@ -244,6 +244,7 @@ def _search(
     method, *steps = result.chosen.method.split("+")
     entry["method"] = method
     entry["sum_preserving_rounding"] = "sums" in steps
+    entry["gptq_rounding"] = "gptq" in steps
     entry["bias_correction"] = "bias" in steps
     return Quantized(load_model(result.model), table, held, entry)
 

@@ -16,7 +16,7 @@ import logging
 import os
 import struct
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -281,7 +281,9 @@ def _residual_adds(proto: onnx.ModelProto) -> None:
     proto.graph.node.extend(kept)
 
 
-def full_range_depthwise(proto: onnx.ModelProto, source: onnx.ModelProto) -> list[str]:
+def full_range_depthwise(
+    proto: onnx.ModelProto, source: onnx.ModelProto, layers: Collection[str] | None = None
+) -> list[str]:
     """Give the depthwise convolutions of a 7-bit-weight (``reduce_range``) Q/DQ model their
     8th weight bit back, in place; the layers changed.
 
@@ -323,7 +325,12 @@ def full_range_depthwise(proto: onnx.ModelProto, source: onnx.ModelProto) -> lis
         groups = next((int(a.i) for a in src.attribute if a.name == "group"), 1)
         weight = numpy_helper.to_array(src_init[src.input[1]]).astype(np.float64)
         w_dq = dq(node.input[1])
-        if groups == 1 or weight.ndim < 3 or weight.shape[1] != 1 or w_dq is None:
+        depthwise = groups > 1 and weight.ndim >= 3 and weight.shape[1] == 1
+        if (
+            w_dq is None
+            or weight.ndim < 3
+            or not (node.name in layers if layers is not None else depthwise)
+        ):
             continue
         if w_dq.input[0] not in init or readers.get(w_dq.input[0], 0) != 1:
             continue

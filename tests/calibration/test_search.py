@@ -260,7 +260,7 @@ def test_too_few_rows_for_the_target_are_warned_about(data, caplog):
     assert "it needs at least 200 rows" in caplog.text
 
 
-def test_sums_and_bias_are_tried_on_every_calibration_method():
+def test_sums_gptq_and_bias_are_tried_on_every_calibration_method():
     from test_rounding import edge_detectors
 
     source = edge_detectors()
@@ -274,7 +274,8 @@ def test_sums_and_bias_are_tried_on_every_calibration_method():
     )  # fmt: skip
     tried = [p.method for p in found.plans if not p.kept]
     for method in ("entropy", "percentile", "minmax"):
-        assert {method, f"{method}+sums", f"{method}+sums+bias"} <= set(tried), tried
+        variants = {method, f"{method}+sums", f"{method}+sums+bias", f"{method}+gptq"}
+        assert variants <= set(tried), tried
     # the layers kept in float are chosen from the most accurate all-int8 plan
     best = min((p for p in found.plans if not p.kept), key=lambda p: p.metrics["nmse"])
     assert all(p.method == best.method for p in found.plans if p.kept)
@@ -290,7 +291,7 @@ def test_bias_correction_and_sensitivity_are_fitted_on_calibration_rows_never_he
     from enginekit.calibration import bias, plan
     from enginekit.calibration import search as search_module
 
-    seen: dict[str, list] = {"bias": [], "sensitivity": [], "scored": []}
+    seen: dict[str, list] = {"bias": [], "sensitivity": [], "scored": [], "gptq": []}
 
     def spy(name, real, index):
         def wrapped(*args, **kwargs):
@@ -300,6 +301,7 @@ def test_bias_correction_and_sensitivity_are_fitted_on_calibration_rows_never_he
         return wrapped
 
     monkeypatch.setattr(search_module, "correct_bias", spy("bias", bias.correct_bias, 2))
+    monkeypatch.setattr(search_module, "gptq_round", spy("gptq", search_module.gptq_round, 2))
     monkeypatch.setattr(
         search_module, "_sensitivity", spy("sensitivity", search_module._sensitivity, 3)
     )
@@ -320,6 +322,8 @@ def test_bias_correction_and_sensitivity_are_fitted_on_calibration_rows_never_he
     held, every = samples(seen["scored"]), {row.tobytes() for row in x}
     fitted_bias, fitted_sensitivity = samples(seen["bias"]), samples(seen["sensitivity"])
     assert held and fitted_bias and fitted_sensitivity
+    fitted_gptq = samples(seen["gptq"])
+    assert fitted_gptq and not held & fitted_gptq, "GPTQ rounding saw held-out rows"
     assert not held & fitted_bias, "bias correction saw held-out rows"
     assert not held & fitted_sensitivity, "the sensitivity ranking saw held-out rows"
     assert fitted_bias <= every - held and fitted_sensitivity <= every - held
@@ -335,7 +339,7 @@ def test_without_calibration_rows_bias_correction_is_skipped_and_the_manifest_sa
         source, table, [{"x": x[16:]}], AccuracyTarget(max_abs_error=0.0, max_plans=1),
         lambda t: write_qdq(source, t, style="onnxruntime-cpu"),
     )  # fmt: skip
-    assert not any("bias" in p.method for p in found.plans)
+    assert not any("bias" in p.method or "gptq" in p.method for p in found.plans)
     entry = found.manifest_entry(AccuracyTarget(max_abs_error=0.0))
     assert "bias correction skipped" in entry["fitted_on"]
 
