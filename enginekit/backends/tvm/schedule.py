@@ -193,19 +193,16 @@ def _elements(buffer: Any) -> int:
 
 
 def _weight_bound(sch: Any, block: Any) -> bool:
-    """Whether the block is a matmul that reads more weight than activation (at batch 1),
-    whose output-column tiles should then be the outer parallel loop, so that each thread
-    streams one strip of the weight once for every row it computes.
+    """Whether the block reads more weight than activation (at batch 1), so that its
+    output-channel tiles should sit outside its pixel (or row) tiles in the parallel loop:
+    each thread then streams its share of the weight once, each strip reused by every pixel
+    tile while in cache, instead of the whole weight once per pixel tile.
 
     The activation is the read whose leading dim is the output's (the batch); any other
-    read is a weight. Reads of the accumulator itself are skipped. Convolutions (4-d
-    outputs) keep pixels outermost: with the weight outermost, late MobileNetV3 convs
-    measured 1.2-1.8x slower at batch 16.
+    read is a weight. Reads of the accumulator itself are skipped.
     """
     stmt = sch.get(block)
     out = stmt.writes[0].source
-    if len(out.shape) > 3:
-        return False
     activation = weight = 0
     for region in stmt.reads:
         buf = region.source
@@ -216,6 +213,24 @@ def _weight_bound(sch: Any, block: Any) -> bool:
         else:
             weight = max(weight, _elements(buf))
     return weight > activation
+
+
+def _channel_tiles_at(sch: Any, block: Any, outer: list[Any], spatial: int) -> int:
+    """Where the output-channel tile loop goes among the ``outer`` (pixel) loops.
+
+    Innermost by default: consecutive tiles share their input pixels. A weight-bound matmul
+    puts it outermost (see :func:`_weight_bound`). A weight-bound convolution (ResNet-50's
+    last stages at small inputs: 2x2 pixels, 9 MB of weights) puts it right after the batch
+    loop: with it innermost every row of pixel tiles streamed the whole weight again, and at
+    batch 1 the two threads each streamed all of it (a weight-outermost loop also spans the
+    batch: late MobileNetV3 convs measured 1.2-1.8x slower at batch 16). ``spatial`` is the
+    block's count of spatial loops: one fewer than the output's rank when a batch of 1 was
+    normalized away, and then there is no batch loop to stay outside.
+    """
+    if not _weight_bound(sch, block):
+        return len(outer)
+    rank = len(sch.get(block).writes[0].source.shape)
+    return 0 if rank <= 3 or spatial < rank else min(1, len(outer))
 
 
 def _schedule_reduction(
@@ -268,10 +283,7 @@ def _schedule_reduction(
                 u_outer, u_inner = sch.split(u, [None, fu])
                 outer.append(u_outer)
     if v_outer is not None:
-        if _weight_bound(sch, block):
-            outer.insert(0, v_outer)
-        else:
-            outer.append(v_outer)
+        outer.insert(_channel_tiles_at(sch, block, outer, len(spatial)), v_outer)
     inner = [lp for lp in (u_inner, v_inner) if lp is not None]
     sch.reorder(*outer, *reduce, *inner)
     tile = None
