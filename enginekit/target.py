@@ -42,6 +42,29 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.lru_cache(maxsize=1)
+def physical_cores() -> int:
+    """Physical cores this process may run on: the CPUs of its affinity mask, SMT siblings
+    counted once (from sysfs' core topology; every allowed CPU where that is unreadable)."""
+    import os
+
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(topology + "physical_package_id", encoding="utf-8") as f:
+                package = f.read().strip()
+            with open(topology + "core_id", encoding="utf-8") as f:
+                cores.add((package, f.read().strip()))
+        except OSError:
+            return len(cpus) or 1
+    return len(cores) or 1
+
+
 def host() -> dict[str, Any]:
     """This host as recorded in manifests and reports."""
     return {

@@ -84,3 +84,26 @@ def test_staged_inputs_are_reused_and_an_output_aliasing_one_is_copied(tmp_path)
     np.testing.assert_array_equal(got["twice"], 2 * base[1:9].reshape(2, 4))
     np.testing.assert_array_equal(again["same"], base[1:9].reshape(2, 4))
     np.testing.assert_array_equal(strided["same"], base[:8].reshape(4, 2).T)
+
+
+def test_tvm_threads_default_to_the_physical_cores_unless_chosen(monkeypatch):
+    # TVM alone takes half the logical CPUs on x86: one thread on a 2-core host without SMT.
+    import os
+
+    from enginekit.backends.tvm.runtime import configure_threads
+    from enginekit.target import physical_cores
+
+    for name in ("TVM_NUM_THREADS", "OMP_NUM_THREADS"):  # recorded, so undone after the test
+        monkeypatch.setenv(name, "1")
+        monkeypatch.delenv(name)
+    configure_threads()
+
+    assert os.environ["TVM_NUM_THREADS"] == str(physical_cores())
+    assert 1 <= physical_cores() <= (os.cpu_count() or 1)
+    monkeypatch.setenv("TVM_NUM_THREADS", "3")
+    configure_threads()
+    assert os.environ["TVM_NUM_THREADS"] == "3"
+    monkeypatch.delenv("TVM_NUM_THREADS")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    configure_threads()
+    assert "TVM_NUM_THREADS" not in os.environ

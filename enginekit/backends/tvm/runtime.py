@@ -38,6 +38,22 @@ _STAGED_MAX = 32
 _STAGE_BELOW = 1 << 16
 
 
+def configure_threads() -> None:
+    """Give TVM's thread pool one thread per physical core, unless the user chose a number.
+
+    Without ``TVM_NUM_THREADS`` (or ``OMP_NUM_THREADS``), TVM 0.27 takes half the logical
+    CPUs on x86, assuming two hyper-threads per core: on a host without SMT (cloud VMs) that
+    is half the cores, one thread on a 2-core host, where ONNX Runtime uses both. TVM reads
+    the variable when a thread's pool starts (each calling thread has its own), so it is set
+    before the first kernel runs; a value already set is left alone.
+    """
+    if "TVM_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in os.environ:
+        return
+    from enginekit.target import physical_cores
+
+    os.environ["TVM_NUM_THREADS"] = str(physical_cores())
+
+
 def load_library(artifact: Artifact, name: str) -> Any:
     """Load payload ``name`` (a shared library) after its checksum matched the manifest.
 
@@ -49,6 +65,8 @@ def load_library(artifact: Artifact, name: str) -> Any:
         ArtifactError: checksum mismatch, or the library does not load on this host.
     """
     import tvm
+
+    configure_threads()
 
     data = artifact.read(name)  # raises ArtifactError on a checksum mismatch
     tmp = Path(tempfile.mkdtemp(prefix="enginekit-tvm-"))

@@ -193,19 +193,16 @@ def _elements(buffer: Any) -> int:
 
 
 def _weight_bound(sch: Any, block: Any) -> bool:
-    """Whether the block is a matmul that reads more weight than activation (at batch 1),
-    whose output-column tiles should then be the outer parallel loop, so that each thread
-    streams one strip of the weight once for every row it computes.
+    """Whether the block reads more weight than activation (at batch 1), so that its
+    output-channel tiles should sit outside its pixel (or row) tiles in the parallel loop:
+    each thread then streams its share of the weight once, each strip reused by every pixel
+    tile while in cache, instead of the whole weight once per pixel tile.
 
     The activation is the read whose leading dim is the output's (the batch); any other
-    read is a weight. Reads of the accumulator itself are skipped. Convolutions (4-d
-    outputs) keep pixels outermost: with the weight outermost, late MobileNetV3 convs
-    measured 1.2-1.8x slower at batch 16.
+    read is a weight. Reads of the accumulator itself are skipped.
     """
     stmt = sch.get(block)
     out = stmt.writes[0].source
-    if len(out.shape) > 3:
-        return False
     activation = weight = 0
     for region in stmt.reads:
         buf = region.source
@@ -216,6 +213,38 @@ def _weight_bound(sch: Any, block: Any) -> bool:
         else:
             weight = max(weight, _elements(buf))
     return weight > activation
+
+
+def _channel_tiles_at(sch: Any, block: Any, outer: list[Any], spatial: int) -> int:
+    """Where the output-channel tile loop goes among the ``outer`` (pixel) loops.
+
+    Innermost by default: consecutive tiles share their input pixels. A weight-bound matmul
+    puts it outermost (see :func:`_weight_bound`). A weight-bound convolution (ResNet-50's
+    last stages at small inputs: 2x2 pixels, 9 MB of weights) puts it right after the batch
+    loop: with it innermost every row of pixel tiles streamed the whole weight again, and at
+    batch 1 the two threads each streamed all of it (a weight-outermost loop also spans the
+    batch: late MobileNetV3 convs measured 1.2-1.8x slower at batch 16). ``spatial`` is the
+    block's count of spatial loops: one fewer than the output's rank when a batch of 1 was
+    normalized away, and then there is no batch loop to stay outside.
+    """
+    if not _weight_bound(sch, block):
+        return len(outer)
+    rank = len(sch.get(block).writes[0].source.shape)
+    return 0 if rank <= 3 or spatial < rank else min(1, len(outer))
+
+
+def _fuse_short_rows(sch: Any, outer: list[Any], lanes: int) -> None:
+    """Fuse the last two pixel loops (rows and columns) in place when the columns alone are
+    too few for a full register block: a 2x2 output (ResNet-50's last stage at 64x64
+    inputs) was blocked by its 2 columns, 2 pixels x 2 vectors, 4 FMA chains where the FMA
+    units' latency wants 8; fused, the 4 pixels make one block (1x1 convolutions there: 1.8x
+    faster on one thread). Only for one reduction loop (a pointwise conv, a matmul): a 3x3
+    window's padding checks on the fused index measured no faster."""
+    rows, cols = _extent(sch, outer[-2]), _extent(sch, outer[-1])
+    if rows is None or cols is None:
+        return
+    if _block_factor(cols, lanes) < _block_factor(rows * cols, lanes):
+        outer[-2:] = [sch.fuse(outer[-2], outer[-1])]
 
 
 def _schedule_reduction(
@@ -245,6 +274,8 @@ def _schedule_reduction(
     v_extent = _extent(sch, v)
     fv = _vector_factor(v_extent, lanes)
     outer = list(spatial[:-1])
+    if len(reduce) == 1 and fv is not None and len(outer) >= 2:
+        _fuse_short_rows(sch, outer, lanes)
     if reduce and fv is not None and (not outer or _row_factor(sch, outer[-1], lanes) == 1):
         # No row to block (a matmul over a symbolic batch, a GEMV): one vector of
         # accumulators would be one FMA dependency chain; a wider tile gives several.
@@ -268,10 +299,7 @@ def _schedule_reduction(
                 u_outer, u_inner = sch.split(u, [None, fu])
                 outer.append(u_outer)
     if v_outer is not None:
-        if _weight_bound(sch, block):
-            outer.insert(0, v_outer)
-        else:
-            outer.append(v_outer)
+        outer.insert(_channel_tiles_at(sch, block, outer, len(spatial)), v_outer)
     inner = [lp for lp in (u_inner, v_inner) if lp is not None]
     sch.reorder(*outer, *reduce, *inner)
     tile = None
