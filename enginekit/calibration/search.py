@@ -5,9 +5,11 @@ min_top1_agreement=0.97))`` runs :func:`search` instead of writing one Q/DQ mode
 
 1. candidate bases: the Q/DQ model from the table's ranges under each calibration method the
    table can give (entropy, percentile, minmax: same histograms, no new pass over the data);
-   each is measured and the most accurate one is kept, then the same with its weights
-   re-rounded to keep each channel's sum (:mod:`enginekit.calibration.rounding`), then with
-   its biases corrected (:mod:`enginekit.calibration.bias`), each kept if it measures better;
+   each is measured, then the same with its weights re-rounded to keep each channel's sum
+   (:mod:`enginekit.calibration.rounding`) or by GPTQ (:mod:`enginekit.calibration.gptq`,
+   with calibration rows), then with its biases corrected (:mod:`enginekit.calibration.bias`);
+   the base with the lowest output NMSE is kept (:func:`_rank`: agreement on the held-out
+   rows is too coarse to rank bases);
 2. sensitivity: each quantized layer is quantized *alone* (every other layer in float) and the
    output error it causes is measured on calibration (fitting) rows. Measured alone, a layer's
    own error shows even when many small errors add up (reverting one layer from a fully
@@ -432,7 +434,7 @@ def search(
     for method in _methods(table):
         bases[method] = write(table if method == table.method else table.with_method(method))
         evaluate(method, bases[method], ())
-    best = max(plans, key=lambda p: (p.met, _score(p), -p.seconds))
+    best = max(plans, key=_rank)
     if not best.met:
         # Sum-preserving rounding and bias correction of every base, so that the layers kept
         # in float are chosen from the most accurate all-int8 plan: which method is best
@@ -505,8 +507,14 @@ def _resolving(target: AccuracyTarget) -> int:
     return int(np.ceil(1 / (1 - t))) if t < 1 else 1
 
 
-def _rank(plan: Plan) -> tuple[bool, tuple[float, float]]:
-    return plan.met, _score(plan)
+def _rank(plan: Plan) -> tuple[bool, float, float, float]:
+    """Which all-int8 base the layers kept in float are chosen from: one meeting the target,
+    then the lowest output NMSE, then the highest agreement, then the fastest. NMSE before
+    agreement: on 150 held-out rows one row is 0.7 points, and MobileNetV2's bases read
+    86.7% (NMSE 0.0154, no GPTQ) vs 82.7% (0.0137, GPTQ) held out, but 85% vs 88% on 200 test
+    crops, in the NMSE's order; the plans that then meet a 97% target sit near NMSE 2e-4."""
+    agree, error = _score(plan)
+    return plan.met, error, agree, -plan.seconds
 
 
 def _score(plan: Plan) -> tuple[float, float]:

@@ -363,3 +363,18 @@ def test_a_plan_meets_the_target_on_the_lower_bound_of_its_agreement_not_as_read
     assert AccuracyTarget.parse("top1=0.97,confidence=0.9").confidence == 0.9
     with pytest.raises(BuildError, match=r"confidence=1\.5: expected a probability in \[0\.5, 1\)"):
         AccuracyTarget(min_top1_agreement=0.97, confidence=1.5)
+
+
+def test_bases_are_ranked_by_output_error_before_agreement():
+    """A base reading a few held-out rows more but with a larger output error is not the one
+    the float layers are chosen from (one row is 0.7 points on 150 rows); meeting the target
+    still comes first."""
+    from enginekit.calibration.search import Plan, _rank
+
+    def plan(agree: float, nmse: float, met: bool = False) -> Plan:
+        metrics = {"top1_agreement": agree, "nmse": nmse, "max_abs": 1.0, "rows": 150}
+        return Plan("m", (), metrics, 1.0, met, 1.0)
+
+    noisy, accurate = plan(0.867, 0.0154), plan(0.827, 0.0137)
+    assert max((noisy, accurate), key=_rank) is accurate
+    assert max((plan(0.99, 0.02, met=True), accurate), key=_rank).met
