@@ -243,7 +243,11 @@ def _fuse_short_rows(sch: Any, outer: list[Any], lanes: int) -> None:
     rows, cols = _extent(sch, outer[-2]), _extent(sch, outer[-1])
     if rows is None or cols is None:
         return
-    if _block_factor(cols, lanes) < _block_factor(rows * cols, lanes):
+    fused = _block_factor(rows * cols, lanes)
+    # Only when a block covers whole rows: the register tile's write-back region is inferred
+    # per axis, so a block ending mid-row (3 columns, blocks of 2) would be widened to whole
+    # rows and write back elements the tile never computed (wrong results on GRU and Resize).
+    if _block_factor(cols, lanes) < fused and fused % cols == 0:
         outer[-2:] = [sch.fuse(outer[-2], outer[-1])]
 
 
