@@ -23,6 +23,7 @@ import onnx
 from onnx import numpy_helper
 
 from enginekit.calibration.bias import int_attr, qdq_copy
+from enginekit.calibration.rounding import quantized_weights
 
 #: Rows of calibration data the second moments are taken on (each row is one image's worth of
 #: patches: thousands of samples per layer, enough for a 960-dim ``H`` with damping).
@@ -48,22 +49,8 @@ def gptq_round(
     the float model only), filled on first use.
     """
     out, graph, src_nodes, src_init, producer, init = qdq_copy(qdq, source)
-    readers: dict[str, int] = {}
-    for n in graph.node:
-        for i in n.input:
-            readers[i] = readers.get(i, 0) + 1
     layers = []
-    for node in graph.node:
-        src = src_nodes.get(node.name)
-        if node.op_type not in ("Conv", "Gemm") or src is None or len(node.input) < 2:
-            continue
-        dq = producer.get(node.input[1])
-        if dq is None or dq.op_type != "DequantizeLinear" or src.input[1] not in src_init:
-            continue
-        if not all(i in init for i in dq.input[:3]) or readers.get(dq.input[0], 0) != 1:
-            continue
-        if node.op_type == "Gemm" and not int_attr(src, "transB", 0):
-            continue
+    for node, src, dq in quantized_weights(graph, src_nodes, src_init, producer, init):
         if node.op_type == "Conv" and _kind(src, src_init) is None:
             continue
         if int_attr(dq, "axis", 1) != 0 and numpy_helper.to_array(init[dq.input[1]]).ndim:

@@ -34,22 +34,8 @@ def preserve_sums(
     ``source``, is left as it is.
     """
     out, graph, src_nodes, src_init, producer, init = qdq_copy(qdq, source)
-    readers: dict[str, int] = {}
-    for n in graph.node:
-        for i in n.input:
-            readers[i] = readers.get(i, 0) + 1
     done = []
-    for node in graph.node:
-        src = src_nodes.get(node.name)
-        if node.op_type not in ("Conv", "Gemm") or src is None or len(node.input) < 2:
-            continue
-        dq = producer.get(node.input[1])
-        if dq is None or dq.op_type != "DequantizeLinear" or src.input[1] not in src_init:
-            continue
-        if not all(i in init for i in dq.input[:3]) or readers.get(dq.input[0], 0) != 1:
-            continue
-        if node.op_type == "Gemm" and not int_attr(src, "transB", 0):
-            continue  # weights [K, N]: the output channels are not axis 0
+    for node, src, dq in quantized_weights(graph, src_nodes, src_init, producer, init):
         weight = numpy_helper.to_array(src_init[src.input[1]]).astype(np.float64)
         q = numpy_helper.to_array(init[dq.input[0]])
         if q.dtype not in (np.int8, np.uint8) or q.shape != weight.shape:
@@ -70,6 +56,37 @@ def preserve_sums(
         init[dq.input[0]].CopyFrom(numpy_helper.from_array(values, dq.input[0]))
         done.append(node.name)
     return out, done
+
+
+def quantized_weights(
+    graph: onnx.GraphProto,
+    src_nodes: dict[str, onnx.NodeProto],
+    src_init: dict[str, onnx.TensorProto],
+    producer: dict[str, onnx.NodeProto],
+    init: dict[str, onnx.TensorProto],
+) -> list[tuple[onnx.NodeProto, onnx.NodeProto, onnx.NodeProto]]:
+    """The Conv/Gemm layers of a Q/DQ graph whose weight a re-rounding may rewrite, as (node,
+    its float source node, the weight's DequantizeLinear): the weight is a DequantizeLinear of
+    initializers read by nothing else, the float weight an initializer of the source, and a
+    Gemm's output channels are axis 0 of its weight (transB)."""
+    readers: dict[str, int] = {}
+    for n in graph.node:
+        for i in n.input:
+            readers[i] = readers.get(i, 0) + 1
+    found = []
+    for node in graph.node:
+        src = src_nodes.get(node.name)
+        if node.op_type not in ("Conv", "Gemm") or src is None or len(node.input) < 2:
+            continue
+        dq = producer.get(node.input[1])
+        if dq is None or dq.op_type != "DequantizeLinear" or src.input[1] not in src_init:
+            continue
+        if not all(i in init for i in dq.input[:3]) or readers.get(dq.input[0], 0) != 1:
+            continue
+        if node.op_type == "Gemm" and not int_attr(src, "transB", 0):
+            continue  # weights [K, N]: the output channels are not axis 0
+        found.append((node, src, dq))
+    return found
 
 
 def _round_keeping_sums(x: np.ndarray, q: np.ndarray) -> np.ndarray | None:
