@@ -4,7 +4,8 @@ With one worker, a request that arrives while a batch is inside the engine waits
 batch, even on an engine that runs calls side by side on idle cores (a 1-thread ONNX Runtime
 engine on 2 cores): at low load those requests make the latency tail (about twice a lone
 call). A standby thread runs a batch only while no worker is idle, no full batch is being
-collated and arrivals are sparse (fewer than ``QUIET`` expected during one batch-1 call);
+collated, the engine's batch-1 call is long enough to be worth it (``MIN_CALL``) and arrivals
+are sparse (fewer than ``QUIET`` expected during one batch-1 call);
 under load it sleeps, since there the second core is worth more to the Python side of
 submitting and resolving than to a second engine call (measured: two workers at overload
 reached 0.50-0.79 of a two-call ceiling, one worker 0.9-1.0 of its one-call ceiling). A mixin
@@ -28,6 +29,11 @@ Taken = tuple["list[Request] | None", list[Request], "Prepared | None"]
 # A standby thread runs only while fewer than this many requests are expected to arrive during
 # one batch-1 call (arrival rate x the cost model's batch-1 time): sparse arrivals, idle cores.
 QUIET = 0.5
+# ... and only for calls of at least this long (seconds): a shorter running call is over
+# about as soon as a sleeping thread wakes and its engine call warms up (measured on 2 cores:
+# a lone 1-thread call of the tests' small CNN 0.22 ms against 0.09 ms back to back), so
+# waiting for the worker costs no more, and keeps lone requests on one thread.
+MIN_CALL = 0.5e-3
 
 
 class StandbyThreads:
@@ -50,7 +56,8 @@ class StandbyThreads:
 
     def _quiet(self, now: float) -> bool:
         """Whether arrivals are sparse enough for a standby thread to run (under the lock)."""
-        return self._cost.predict(1) < QUIET * self._arrivals.expected_gap(now)
+        call = self._cost.predict(1)
+        return MIN_CALL <= call < QUIET * self._arrivals.expected_gap(now)
 
     def _take_standby(self) -> Taken | None:
         """What a standby thread runs next (see :meth:`_take`): ready requests, only while no
