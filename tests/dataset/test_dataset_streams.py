@@ -65,6 +65,22 @@ def test_choice_prefers_more_streams_within_tolerance(ekit, monkeypatch):
         assert (choice.streams, chosen) == (1, None)
 
 
+def test_choice_compares_rounds_pairwise_not_one_quiet_moment(ekit, monkeypatch):
+    # One round where one stream ran alone on a quiet host (140) must not outvote four where
+    # two streams kept pace: each configuration's best alone chose one stream here.
+    from enginekit.dataset import streams as mod
+
+    runs = {1: iter([100.0, 100.0, 140.0, 100.0, 100.0]), 2: iter([100, 95, 100, 95, 100.0])}
+    monkeypatch.setattr(mod, "rate", lambda e, s, b, n, sec: next(runs[n]))
+    with ek.load(ekit("cnn")) as engine:
+        other = ek.load(ekit("cnn"), threads=1)
+        choice, chosen = choose_streams(engine, {"x": cnn_rows(4)}, 4, lambda t: other, available=2)
+        other.close()
+    assert (choice.streams, chosen) == (2, other)
+    assert choice.trials[0].measured == (100.0, 100.0, 140.0, 100.0, 100.0)
+    assert choice.trials[0].rows_per_s == 140.0
+
+
 def test_resume_reuses_the_streams_and_threads_of_the_first_run(ekit, tmp_path):
     np.save(tmp_path / "x.npy", cnn_rows(16))
     out = tmp_path / "out"
