@@ -301,3 +301,28 @@ def test_pages_before_the_start_are_not_decoded(tmp_path, monkeypatch, version):
     decoded.clear()
     np.testing.assert_array_equal(_read(path, start=21)[0], x[21:])
     assert len(decoded) < everything / 2
+
+
+def test_read_groups_reuse_a_finished_block_s_buffer_never_a_live_one(tmp_path, monkeypatch):
+    # A Ray worker's next block goes into the buffer of the one it has finished with (new
+    # memory is zeroed by the kernel page by page); a block still alive keeps its own.
+    from enginekit.dataset import parquet
+
+    monkeypatch.setattr(parquet, "SPARE_MIN_BYTES", 0)
+    monkeypatch.setattr(parquet, "_spares", {})
+    x = _rows(12)
+    pq.write_table(pa.table({"x": from_numpy(x, "list")}), tmp_path / "a.parquet", row_group_size=4)
+    f = str(tmp_path / "a.parquet")
+
+    def address(t: pa.Table) -> int:
+        return t.column("x").chunk(0).buffers()[-1].address  # the values, under the lists
+
+    first = parquet.read_groups([(f, 0, 0, 4)], ["x"])
+    live = parquet.read_groups([(f, 1, 0, 4)], ["x"])  # `first` alive: a buffer of its own
+    assert address(live) != address(first)
+    np.testing.assert_array_equal(np.asarray(first.column("x").to_pylist()), x[:4])
+    used = address(live)
+    del live
+    again = parquet.read_groups([(f, 2, 0, 4)], ["x"])
+    assert address(again) == used
+    np.testing.assert_array_equal(np.asarray(again.column("x").to_pylist()), x[8:])

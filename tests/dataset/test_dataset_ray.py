@@ -167,6 +167,11 @@ def test_read_blocks_end_on_the_engine_batch_grid(cluster, ekit, parquet):
     ds = read_dataset(src, 10, 6, block_rows=40)
     sizes = [len(b["key"]) for b in ds.iter_batches(batch_size=None)]
     assert sizes == [42, 48, 20] and sum(sizes) == 110
+    # Or as many blocks as asked (a whole number of rounds of one per CPU), of about equal
+    # rows: 42 + 48 + 20 left the last round's second CPU idle.
+    ds = read_dataset(src, 10, 6, blocks=2)
+    sizes = [len(b["key"]) for b in ds.iter_batches(batch_size=None)]
+    assert sizes == [54, 56]
 
 
 def test_actor_runs_a_ray_batch_as_engine_batches(ekit):

@@ -55,14 +55,37 @@ def test_choice_prefers_more_streams_within_tolerance(ekit, monkeypatch):
     from enginekit.dataset import streams as mod
 
     rates = {1: 100.0, 2: 92.0}  # two streams 8% slower: within 10%, chosen
-    monkeypatch.setattr(mod, "rate", lambda e, s, b, n, sec: rates[n])
+    cpu = {1: 0.01, 2: 0.01 / 0.92}  # CPU-s per row: every core busy in both
+    monkeypatch.setattr(mod, "rate_and_cpu", lambda e, s, b, n, sec: (rates[n], cpu[n]))
     with ek.load(ekit("cnn")) as engine:
         other = ek.load(ekit("cnn"), threads=1)
         choice, chosen = choose_streams(engine, {"x": cnn_rows(4)}, 4, lambda t: other, available=2)
         assert (choice.streams, choice.threads, chosen) == (2, 1, other)
-        rates[2] = 80.0
+        rates[2], cpu[2] = 80.0, 0.01 / 0.8  # 20% slower and 25% more CPU per row: one stream
         choice, chosen = choose_streams(engine, {"x": cnn_rows(4)}, 4, lambda t: other, available=2)
         assert (choice.streams, chosen) == (1, None)
+        # 20% slower but no more CPU per row: one stream's threads took more of a busy host's
+        # cores (spinning), not less work per row; two streams.
+        cpu[2] = 0.01
+        choice, chosen = choose_streams(engine, {"x": cnn_rows(4)}, 4, lambda t: other, available=2)
+        assert (choice.streams, chosen) == (2, other)
+        assert choice.trials[1].rows_per_cpu_s == (100.0,) * 5
+
+
+def test_choice_compares_rounds_pairwise_not_one_quiet_moment(ekit, monkeypatch):
+    # One round where one stream ran alone on a quiet host (140) must not outvote four where
+    # two streams kept pace: each configuration's best alone chose one stream here.
+    from enginekit.dataset import streams as mod
+
+    runs = {1: iter([100.0, 100.0, 140.0, 100.0, 100.0]), 2: iter([100, 95, 100, 95, 100.0])}
+    monkeypatch.setattr(mod, "rate_and_cpu", lambda e, s, b, n, sec: (r := next(runs[n]), 1 / r))
+    with ek.load(ekit("cnn")) as engine:
+        other = ek.load(ekit("cnn"), threads=1)
+        choice, chosen = choose_streams(engine, {"x": cnn_rows(4)}, 4, lambda t: other, available=2)
+        other.close()
+    assert (choice.streams, chosen) == (2, other)
+    assert choice.trials[0].measured == (100.0, 100.0, 140.0, 100.0, 100.0)
+    assert choice.trials[0].rows_per_s == 140.0
 
 
 def test_resume_reuses_the_streams_and_threads_of_the_first_run(ekit, tmp_path):
