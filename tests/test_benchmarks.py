@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+import numpy as np
 import pytest
 from compare_helpers import ROOT
 
@@ -93,3 +94,37 @@ def test_peer_suite_times_every_engine_interleaved_with_accuracy(peer, onnx_mode
     peer.print_goals(list(found.values()))
     out = capsys.readouterr().out
     assert "not measured" in out and "(target 1.3)" in out and "vs OV def" in out
+
+
+@pytest.fixture(scope="module")
+def int8_accuracy():
+    spec = importlib.util.spec_from_file_location(
+        "bench_int8_accuracy", ROOT / "benchmarks" / "int8_accuracy.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_int8_accuracy", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _state(*shapes):
+    """A state_dict-like mapping: conv weight, then a BatchNorm's four tensors and counter."""
+    names = ["conv.weight", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"]
+    out = {n: np.zeros(s, np.float32) for n, s in zip(names, shapes, strict=True)}
+    return {**out, "bn.num_batches_tracked": np.zeros((), np.int64)}
+
+
+def test_weights_map_in_order_and_a_file_for_another_model_is_refused(int8_accuracy):
+    ours = _state((8, 3, 3, 3), (8,), (8,), (8,), (8,))
+    theirs = {f"_{k}": v for k, v in ours.items() if "num_batches" not in k}
+    mapped = int8_accuracy.map_weights(ours, theirs, source="w.pth")
+    assert list(mapped) == [k for k in ours if "num_batches" not in k]
+    wrong = {**theirs, "_bn.bias": np.zeros(16, np.float32)}  # another model's width
+    with pytest.raises(int8_accuracy.WeightsError, match=r"'_bn.bias' \(16,\) does not fit"):
+        int8_accuracy.map_weights(ours, wrong, source="w.pth")
+    order = ["_conv.weight", "_bn.bias", "_bn.weight", "_bn.running_mean", "_bn.running_var"]
+    swapped = {k: theirs[k] for k in order}  # same shapes, BatchNorm's scale and shift swapped
+    with pytest.raises(int8_accuracy.WeightsError, match=r"'_bn.bias' \(8,\) does not fit"):
+        int8_accuracy.map_weights(ours, swapped, source="w.pth")
+    with pytest.raises(int8_accuracy.WeightsError, match="expected 5 weight tensors .* found 4"):
+        int8_accuracy.map_weights(ours, dict(list(theirs.items())[:4]), source="w.pth")
