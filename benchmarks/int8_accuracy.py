@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import enginekit as ek
 from enginekit import backends, target
 from enginekit.calibration.scoring import wilson
-from enginekit.errors import ModelError
+from enginekit.errors import ModelError, UsageError, did_you_mean
 
 PHOTOS = (
     "astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry",
@@ -259,9 +259,9 @@ def main() -> int:
     )
     for m in chosen:
         if m not in MODELS:
-            raise ek.errors.UsageError(
+            raise UsageError(
                 f"--model {m!r}: expected one of {', '.join(MODELS)} or all"
-                + ek.errors.did_you_mean(m, MODELS)
+                + did_you_mean(m, MODELS)
             )
     names = [b for b in args.backends.split(",") if b]
     names = [b for b in names if backends.availability(b).available]
