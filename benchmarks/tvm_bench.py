@@ -85,9 +85,19 @@ def resnet(channels: tuple[int, ...] = (32, 64, 128, 256)) -> object:
     return Net().eval()
 
 
-def latency_ms(engines: dict, feeds: dict, rounds: int) -> dict[str, float]:
+#: Seconds between one engine's block of calls and the next engine's (``--pause``). ONNX
+#: Runtime's default session keeps its intra-op threads spinning after a call returns; timed
+#: right after an ORT block, TVM's two-thread pool shared the 2-core host with them: the demo
+#: CNN at batch 1 measured 26-28 ms per TVM call straight after ORT's block against 11-20 ms
+#: alone in the same process, and 12-17 ms after ORT's block with ORT's spinning off (2 runs
+#: each, loaded host). A pause lets the spinning end, so each engine is timed on its own.
+PAUSE_S = 0.3
+
+
+def latency_ms(engines: dict, feeds: dict, rounds: int, pause: float = PAUSE_S) -> dict[str, float]:
     """Median per-call latency of each engine, the engines interleaved round by round; each
-    round times enough calls of an engine to last ~0.1 s."""
+    round times enough calls of an engine to last ~0.1 s, ``pause`` seconds after the
+    previous engine's block (see :data:`PAUSE_S`)."""
     calls = {}
     for name, engine in engines.items():
         engine.infer(feeds)  # warm up
@@ -97,6 +107,9 @@ def latency_ms(engines: dict, feeds: dict, rounds: int) -> dict[str, float]:
     samples: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(rounds):
         for name, engine in engines.items():
+            if pause:
+                time.sleep(pause)
+            engine.infer(feeds)  # its own threads awake again
             start = time.perf_counter()
             for _ in range(calls[name]):
                 engine.infer(feeds)
@@ -148,7 +161,15 @@ def bert(hidden: int = 128, layers: int = 2, heads: int = 4) -> object | None:
 
 
 def _run(
-    title: str, path: Path, shapes: dict, configs: dict, feeds_of, batches, rounds, quiet=False
+    title: str,
+    path: Path,
+    shapes: dict,
+    configs: dict,
+    feeds_of,
+    batches,
+    rounds,
+    quiet=False,
+    pause: float = PAUSE_S,
 ) -> dict:
     """Build every config, time them interleaved; print the table (unless ``quiet``) and
     return ``{engine: {"build_s", "tune_s", "ms": {batch: ms}, "ratio": {batch: ratio}}}``."""
@@ -164,7 +185,7 @@ def _run(
         tuning = engines[name].manifest["backend"].get("metadata", {}).get("tuning")
         tune_s[name] = tuning["seconds"] if tuning else 0.0
         say(f"built {title} {name}: {build_s[name]:.1f} s", flush=True)
-    results = {b: latency_ms(engines, feeds_of(b), rounds) for b in batches}
+    results = {b: latency_ms(engines, feeds_of(b), rounds, pause) for b in batches}
     say(f"\n{title}; medians of interleaved rounds (lower is better); ratio = latency / ORT's")
     header = f"{'engine':34s} {'build s':>8s} {'tune s':>7s}" + "".join(
         f" {'b' + str(b) + ' ms':>10s} {'ratio':>6s}" for b in batches
@@ -236,7 +257,12 @@ def goals(report: dict) -> list[dict]:
 
 
 def _corpus_entry(
-    name: str, batches: list[int], rounds: int, quiet: bool, tuned: dict | None = None
+    name: str,
+    batches: list[int],
+    rounds: int,
+    quiet: bool,
+    tuned: dict | None = None,
+    pause: float = PAUSE_S,
 ) -> dict:
     """ORT vs untuned TVM on one corpus entry (its cached batch-dynamic ONNX export), and TVM
     tuned when ``tuned`` (the ``tune`` and ``tuning_db`` build options) is given."""
@@ -266,8 +292,9 @@ def _corpus_entry(
             "tuning_db": str(db),
         }
     return _run(
-        f"corpus {name}", prepared.onnx, shapes, configs, lambda b: feeds[b], batches, rounds, quiet
-    )
+        f"corpus {name}", prepared.onnx, shapes, configs, lambda b: feeds[b], batches, rounds,
+        quiet, pause,
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -297,6 +324,11 @@ def main() -> None:
         "none: it only compiles and times); default: a temporary directory",
     )
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument(
+        "--pause", type=float, default=PAUSE_S,
+        help=f"seconds between engines' blocks of calls, so that one engine's spinning threads "
+        f"are idle when the next is timed (default {PAUSE_S}; 0: back to back)",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the results and goals as JSON")
     args = ap.parse_args()
     quiet = args.json
@@ -342,11 +374,13 @@ def main() -> None:
         report["cnn"] = _run(
             f"ResNet-style CNN, {args.size}x{args.size} inputs", path,
             {"x": [(1, 3, args.size, args.size), full, full]}, configs,
-            lambda b: {"x": images[b]}, batches, args.rounds, quiet,
+            lambda b: {"x": images[b]}, batches, args.rounds, quiet, args.pause,
         )  # fmt: skip
     if "corpus" in models:
         for name in args.corpus.split(","):
-            report[f"corpus:{name}"] = _corpus_entry(name, batches, args.rounds, quiet, tuned)
+            report[f"corpus:{name}"] = _corpus_entry(
+                name, batches, args.rounds, quiet, tuned, args.pause
+            )
     encoder = bert() if "bert" in models else None
     if "bert" in models and encoder is None:
         say("bert: skipped (pip install transformers)")
@@ -368,6 +402,7 @@ def main() -> None:
         report["bert"] = _run(
             f"BERT (hidden 128, 2 layers, 4 heads), sequence {args.seq}", path, shapes,
             bert_configs, lambda b: {"input_ids": tokens[b]}, batches, args.rounds, quiet,
+            args.pause,
         )  # fmt: skip
     report["goals"] = goals(report)
     if args.json:
