@@ -8,16 +8,12 @@ import sys
 import numpy as np
 import pytest
 from compare_helpers import ROOT
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location(
-        "bench_backends", ROOT / "benchmarks" / "backends.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "backends.py", "bench_backends")
 
 
 def test_resnet_style_flops_match_a_hand_count_and_scale_with_batch(script):
@@ -50,11 +46,7 @@ def test_no_benchmark_script_shadows_a_package_it_imports():
 
 @pytest.fixture(scope="module")
 def peer():
-    spec = importlib.util.spec_from_file_location("bench_peer", ROOT / "benchmarks" / "peer.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_peer"] = module  # its dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    yield module
+    yield load_script(ROOT / "benchmarks" / "peer.py", "bench_peer")
     del sys.modules["bench_peer"]
 
 
@@ -98,13 +90,7 @@ def test_peer_suite_times_every_engine_interleaved_with_accuracy(peer, onnx_mode
 
 @pytest.fixture(scope="module")
 def int8_accuracy():
-    spec = importlib.util.spec_from_file_location(
-        "bench_int8_accuracy", ROOT / "benchmarks" / "int8_accuracy.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_int8_accuracy", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "int8_accuracy.py", "bench_int8_accuracy")
 
 
 def _state(*shapes):

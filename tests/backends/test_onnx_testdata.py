@@ -9,23 +9,16 @@ runs all of node (1506 cases).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _runner():
-    spec = importlib.util.spec_from_file_location(
-        "benchmarks_onnx_testdata", ROOT / "benchmarks" / "onnx_testdata.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("benchmarks_onnx_testdata", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "onnx_testdata.py", "benchmarks_onnx_testdata")
 
 
 def test_enginekit_onnxruntime_passes_every_case_raw_onnxruntime_passes(capsys):

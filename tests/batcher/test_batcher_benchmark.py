@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 from batcher_engines import build
+from script_loader import load_script
 
 ROOT = Path(__file__).parent.parent.parent
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location(
-        "bench_batcher", ROOT / "benchmarks" / "batcher.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "batcher.py", "bench_batcher")
 
 
 def test_quick_run_reports_every_mode_at_every_rate(script, onnx_model):

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -110,14 +111,7 @@ def test_compare_catches_wrong_values_and_shapes_relative_to_scale():
 
 
 def _script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "run_corpus", ROOT / "benchmarks" / "run_corpus.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "run_corpus.py", "run_corpus")
 
 
 def test_table_has_a_row_per_entry_and_a_column_per_backend():

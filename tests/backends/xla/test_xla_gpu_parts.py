@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 pytest.importorskip("jax", reason="the XLA backend needs jax")
 
@@ -17,11 +16,7 @@ GPU_DIR = Path(__file__).resolve().parents[2] / "gpu"
 
 @pytest.fixture(scope="module")
 def xla_gpu():
-    spec = importlib.util.spec_from_file_location("xla_gpu", GPU_DIR / "xla_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("xla_gpu", module)  # its dataclasses look their module up there
-    spec.loader.exec_module(sys.modules["xla_gpu"])
-    return sys.modules["xla_gpu"]
+    return load_script(GPU_DIR / "xla_gpu.py", "xla_gpu")
 
 
 def test_jax_summary_names_jax_and_its_devices(xla_gpu):
