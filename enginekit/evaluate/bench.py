@@ -4,7 +4,9 @@ For every engine and batch size: a warm-up, then timed ``infer`` calls in severa
 duration or a run count is spent. Rounds are interleaved across batch sizes and engines, so a
 burst of noise from elsewhere on the machine hits all of them rather than one; the report gives
 the median throughput over rounds, the spread between rounds, and flags results whose spread
-exceeds a threshold as unstable. Latency percentiles pool every timed call.
+exceeds a threshold as unstable. Latency percentiles pool every timed call. When another
+engine takes over, its round starts :data:`SETTLE_S` after the last one's calls, so that the
+idle threads the last engine leaves spinning (ONNX Runtime's, ~50 ms) are not timed with it.
 """
 
 from __future__ import annotations
@@ -320,15 +322,17 @@ def _bench_opened(
     budget = duration / rounds if duration is not None else None
     # exactly `runs` calls: the first rounds take one more when they do not divide evenly
     split = [runs // rounds + (i < runs % rounds) for i in range(rounds)] if runs else None
+    turns = _Turns()
     for i in range(rounds):
         for engine, engine_jobs in zip(opened, jobs):
             for job in engine_jobs:
                 if job.error is None and (split is None or split[i] > 0):
+                    turns.take(engine)
                     _round(engine, job, budget, split[i] if split else None)
     planned = (duration or 0) * sum(len(j) for j in jobs)
     cap = planned if stabilize and runs is None and rounds > 1 else 0
     if cap:
-        _stabilize(opened, jobs, budget, rounds, unstable_spread, cap)
+        _stabilize(opened, jobs, budget, rounds, unstable_spread, cap, turns)
     settings = {
         "duration_s": duration,
         "runs": runs,
@@ -384,6 +388,7 @@ def _stabilize(
     rounds: int,
     unstable_spread: float,
     cap: float,
+    turns: _Turns,
 ) -> None:
     """More rounds, one at a time, for the results whose last ``rounds`` rounds still differ
     by more than ``unstable_spread``, until none does or ``cap`` seconds are spent."""
@@ -398,12 +403,37 @@ def _stabilize(
         if not todo:
             return
         for engine, job in todo:
+            turns.take(engine)
             _round(engine, job, budget, None)
             job.extra += 1
 
 
 def _spread_of(job: _Job, rounds: int) -> float | None:
     return spread([job.batch * len(t) / float(t.sum()) for t in job.times[-rounds:]])
+
+
+#: Seconds between one engine's round and another's: ONNX Runtime's default session keeps its
+#: idle intra-op threads spinning for 50-100 ms after each call (ResNet-50 on 2 cores: one core
+#: at 100% for 45-50 ms, then idle; benchmarks/peer.py saw up to 100), and an engine timed
+#: meanwhile shares the cores with them (TVM's batch-1 CNN read 26-28 ms right after ORT's
+#: round against 11-20 ms alone).
+SETTLE_S = 0.1
+
+
+class _Turns:
+    """Which engine ran the last round; waits :data:`SETTLE_S` when another one takes over."""
+
+    def __init__(self) -> None:
+        self.last: Engine | None = None
+
+    def take(self, engine: Engine) -> None:
+        if self.last is not None and self.last is not engine:
+            _settle()
+        self.last = engine
+
+
+def _settle() -> None:
+    time.sleep(SETTLE_S)
 
 
 def _round(engine: Engine, job: _Job, budget: float | None, per_round: int | None) -> None:

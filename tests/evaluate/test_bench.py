@@ -190,3 +190,22 @@ def test_cli_bench_usage_errors_exit_2(artifacts, flags):
     proc = run_cli("bench", artifacts / "mlp.ekit", *flags)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("enginekit bench:")
+
+
+def test_a_round_after_another_engines_waits_for_its_idle_threads(engine, artifacts, monkeypatch):
+    from enginekit.evaluate import bench as mod
+
+    log: list = []
+    run = mod._round
+    monkeypatch.setattr(mod, "_settle", lambda: log.append("settle"))
+    monkeypatch.setattr(
+        mod, "_round", lambda e, job, *a: log.append((e, job.batch)) or run(e, job, *a)
+    )
+    with ek.load(artifacts / "mlp.ekit") as other:
+        bench_many([engine, other], [1, 4], stabilize=False, **FAST)
+        a, b = (engine, 1), (engine, 4)
+        c, d = (other, 1), (other, 4)
+        assert log == [a, b, "settle", c, d, "settle", a, b, "settle", c, d]
+        log.clear()
+        ek.bench(other, [1, 4], **FAST)  # one engine: its rounds follow each other at once
+    assert "settle" not in log and len(log) >= 4
