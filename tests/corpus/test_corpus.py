@@ -111,7 +111,7 @@ def test_compare_catches_wrong_values_and_shapes_relative_to_scale():
 
 
 def _script():
-    return load_script(ROOT / "benchmarks" / "run_corpus.py", "run_corpus")
+    return load_script(ROOT / "benchmarks" / "run_corpus.py", "bench_run_corpus")
 
 
 def test_table_has_a_row_per_entry_and_a_column_per_backend():
