@@ -151,6 +151,7 @@ class Batcher(HelperThread, StandbyThreads):
         # no worker is idle and arrivals are sparse; _wake_newest() never picks one.
         self._standby_cv = threading.Condition(self._lock)
         self._standby_idle = 0
+        self._standby_gap = math.inf  # arrivals sparser than this wake a standby thread
         self._plan: dict[Key, int] = {}  # group -> rows at which a waiting worker looks again
         self._wake_at = math.inf  # when a waiting worker looks again by itself
         self._timer_at = math.inf  # when the helper looks for expired requests by itself
@@ -162,6 +163,7 @@ class Batcher(HelperThread, StandbyThreads):
         if warmup:
             for rows, seconds in run_warmup(engine, self.max_batch_size):
                 self._cost.observe(rows, seconds)
+            self._standby_threshold()
         self._threads = (
             [
                 threading.Thread(target=self._work, name=f"batcher-{name}-worker{i}", daemon=True)
@@ -230,7 +232,7 @@ class Batcher(HelperThread, StandbyThreads):
             if self._idle:
                 if rows >= self._plan.get(request.key, 1) or now >= self._wake_at:
                     self._wake_newest()
-            elif self._standby_idle and self._quiet(now):
+            elif self._standby_idle and self._standby_gap < math.inf and self._quiet(now):
                 self._standby_cv.notify()
             elif rows == self.max_batch_size and self._prepared is None:
                 self._done.put(("wake",))  # every worker is busy: the helper collates it
@@ -353,12 +355,11 @@ class Batcher(HelperThread, StandbyThreads):
         which resolves the futures while this one runs the next batch. Returns once closing
         and nothing is left to run (a standby thread: once closing)."""
         engine, lock, done = self.engine, self._lock, self._done
-        ran: tuple[int, float, bool] | None = None
+        give_back = False  # the last batch's collation arrays go back to the pool
         buffers: dict[Any, np.ndarray] = {}
         while True:
             with lock:  # the Condition's lock, entered without its Python-level __enter__
-                if ran is not None:
-                    self._ran(*ran)
+                if give_back:
                     self._buffer_sets.append(buffers)
                 taken = self._take_standby() if standby else self._take()
                 if taken is not None and taken[0] is not None:
@@ -374,7 +375,7 @@ class Batcher(HelperThread, StandbyThreads):
                 assert requests is not None  # either requests or a prepared batch
                 live, feeds, rows = self._admit(requests, buffers)
             if not live:
-                ran = None
+                give_back = False
                 continue
             start = time.perf_counter()
             try:
@@ -392,14 +393,16 @@ class Batcher(HelperThread, StandbyThreads):
             # here than waking the helper does (a thread switch, and the interpreter lock
             # taken from this thread just as it starts the next batch).
             if len(live) > INLINE_RESOLVE and (self._queue.count or self._prepared is not None):
-                ran = (rows, elapsed, ok)
-                done.put((live, outputs, ok))  # the helper resolves; this runs the next batch
+                # The helper resolves and accounts for the batch (the cost model, the metrics):
+                # between two engine calls this thread only picks up the next batch.
+                give_back = True
+                done.put((live, outputs, ok, (rows, elapsed, ok)))
             else:
                 # Resolve here, accounting for the batch in the same lock round-trip, so that
                 # little is left to do between waking the callers and blocking or starting the
                 # next batch (the callers need the interpreter lock this thread holds).
-                ran = None
-                self._finish((live, outputs, ok), (rows, elapsed, ok), buffers)
+                give_back = False
+                self._finish((live, outputs, ok, (rows, elapsed, ok)), buffers)
                 if self._queue.rows >= self.max_batch_size:
                     done.put(("wake",))  # the helper collates a full batch while this one runs
         with lock:
@@ -416,6 +419,7 @@ class Batcher(HelperThread, StandbyThreads):
         m.add("engine", elapsed)
         if ok:
             self._cost.observe(rows, elapsed)
+            self._standby_threshold()
 
     def _take(self) -> Taken | None:
         """What to run next — requests from the queue, or a batch the helper prepared — and the

@@ -113,21 +113,16 @@ class HelperThread:
             self._finish(item)
             self._prepare()
 
-    def _finish(
-        self,
-        item: tuple[Any, ...],
-        ran: tuple[int, float, bool] | None = None,
-        buffers: dict[Any, np.ndarray] | None = None,
-    ) -> None:
-        """Act on one message for the helper: a finished batch (split, count, resolve), expired
-        requests to fail, or a wake-up (deadlines changed, a full batch to collate). A worker
-        that resolves its own batch passes its accounting (``ran``) and collation buffers."""
+    def _finish(self, item: tuple[Any, ...], buffers: dict[Any, np.ndarray] | None = None) -> None:
+        """Act on one message for the helper: a finished batch (split, account, count,
+        resolve), expired requests to fail, or a wake-up (deadlines changed, a full batch to
+        collate). A worker that resolves its own batch passes its collation buffers too."""
         if item[0] == "expired":
             fail_expired(item[1], self.name)
             return
         if item[0] == "wake":
             return
-        requests, outputs, ok = item
+        requests, outputs, ok, ran = item
         if ok:
             try:
                 results = self._layout.split(outputs, requests)
@@ -140,8 +135,7 @@ class HelperThread:
             m = self._metrics
             m.outcomes["completed" if ok else "failed"] += len(requests)
             m.add_many("latency", latencies)
-            if ran is not None:
-                self._ran(*ran)
+            self._ran(*ran)
             if buffers is not None:
                 self._buffer_sets.append(buffers)
         futures = [r.future for r in requests]

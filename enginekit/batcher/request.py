@@ -18,7 +18,7 @@ import numpy as np
 
 from enginekit.batcher.slot import Slot
 from enginekit.engine import Engine, to_numpy
-from enginekit.errors import DeadlineExceeded, EngineInputError, UsageError
+from enginekit.errors import BatcherError, DeadlineExceeded, EngineInputError, UsageError
 
 QUEUED, TAKEN, DEAD = 0, 1, 2
 
@@ -382,15 +382,35 @@ class Layout:
     ) -> dict[str, np.ndarray]:
         """``outputs``, copying any that is a view of a collation buffer (an engine may return
         its input, e.g. an identity model): the next batch overwrites those buffers."""
+        shared = np.may_share_memory
         for k, v in outputs.items():
-            if any(np.may_share_memory(v, b) for b in buffers.values()):
-                outputs = {**outputs, k: v.copy()}
+            if v.base is None:  # owns its memory (a view of a buffer has that buffer as base)
+                continue
+            for b in buffers.values():
+                if shared(v, b):
+                    outputs = {**outputs, k: v.copy()}
+                    break
         return outputs
 
     def split(
         self, outputs: Mapping[str, np.ndarray], requests: Sequence[Request]
     ) -> list[dict[str, np.ndarray]]:
         """Each request's rows of ``outputs``, in its own shape (a row, or its own batch)."""
+        if all([r.single and r.lengths is None for r in requests]):
+            # One row per request, the common case: iterating an array makes the row views in
+            # C, against a Python-level index and dict per request (about 2.5x faster).
+            n = len(requests)
+            for name, value in outputs.items():
+                if len(value) < n:  # never leave a future unresolved
+                    raise BatcherError(
+                        f"output {name!r} has {len(value)} rows for a batch of {n}: the engine "
+                        "must return one row per input row; fix the engine or its export"
+                    )
+            if len(outputs) == 1:
+                ((name, value),) = outputs.items()
+                return [{name: row} for row in value[:n]]
+            names = list(outputs)
+            return [dict(zip(names, rows)) for rows in zip(*[v[:n] for v in outputs.values()])]
         results = []
         start = 0
         trim = self._out_trim

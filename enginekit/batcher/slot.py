@@ -205,8 +205,14 @@ def resolve_all(
                 if s._state not in _DONE:
                     s._settle(None, exception)
         else:
+            # _settle inlined for the common slot, running with nobody waiting on it: on the
+            # helper's path this loop runs once per request, holding the interpreter lock that
+            # the engine thread wants back when its call returns.
             for s, r in zip(slots, results):
-                if s._state not in _DONE:
+                if s._state == RUNNING and not s._waiters and not s._sleepers:
+                    s._result = r
+                    s._state = FINISHED
+                elif s._state not in _DONE:
                     s._settle(r, None)
     for s in slots:
         if s._done_callbacks:

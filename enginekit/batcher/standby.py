@@ -42,6 +42,7 @@ class StandbyThreads:
     # Set by Batcher.__init__; guarded by _lock (= the Conditions' lock).
     _standby_cv: threading.Condition
     _standby_idle: int
+    _standby_gap: float  # see _standby_threshold
     _closing: bool
     _idle: int
     _queue: WaitQueue
@@ -56,8 +57,15 @@ class StandbyThreads:
 
     def _quiet(self, now: float) -> bool:
         """Whether arrivals are sparse enough for a standby thread to run (under the lock)."""
+        return self._arrivals.expected_gap(now) > self._standby_gap
+
+    def _standby_threshold(self) -> None:
+        """Recompute, after the cost model changed, the expected gap between arrivals above
+        which a standby thread runs (under the lock): ``QUIET`` batch-1 calls' worth, or never
+        for calls shorter than ``MIN_CALL`` — so that submit() compares one number (it asks
+        on every request while a standby thread sleeps)."""
         call = self._cost.predict(1)
-        return MIN_CALL <= call < QUIET * self._arrivals.expected_gap(now)
+        self._standby_gap = call / QUIET if call >= MIN_CALL else math.inf
 
     def _take_standby(self) -> Taken | None:
         """What a standby thread runs next (see :meth:`_take`): ready requests, only while no

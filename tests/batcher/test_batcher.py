@@ -295,3 +295,40 @@ def test_a_dict_sample_seen_before_skips_checks_but_not_validation(two):
             batcher.submit({"a": a.astype(np.float64), "b": b})
         with pytest.raises(ek.EngineInputError, match="missing input 'b'"):
             batcher.submit({"a": a, "c": b})
+
+
+class Split(ek.Engine):
+    """Two outputs per row (the input and its double), or ``short`` rows too few."""
+
+    def __init__(self, short: int = 0) -> None:
+        spec = ek.TensorSpec("x", "float32", ("batch", 3))
+        profile = {"x": ek.ShapeProfile((1, 3), (4, 3), (8, 3))}
+        outs = [
+            ek.TensorSpec("y", "float32", ("batch", 3)),
+            ek.TensorSpec("z", "float32", ("batch",)),
+        ]
+        super().__init__([spec], outs, [profile])
+        self.short = short
+
+    def _run(self, feeds: dict) -> dict:
+        x = feeds["x"][: len(feeds["x"]) - self.short]
+        return {"y": x.copy(), "z": 2 * x[:, 0]}
+
+
+def test_each_row_gets_its_own_rows_of_every_output():
+    x = np.arange(24, dtype=np.float32).reshape(8, 3)
+    with ek.Batcher(Split(), max_batch_size=4, max_delay_ms=5_000, adaptive=False) as batcher:
+        got = [f.result(timeout=10) for f in [batcher.submit(row) for row in x]]
+    for row, out in zip(x, got):
+        assert out.keys() == {"y", "z"}
+        np.testing.assert_array_equal(out["y"], row)
+        assert out["z"] == 2 * row[0]
+
+
+def test_an_engine_returning_too_few_rows_fails_its_batch_and_leaves_no_future_hanging():
+    with ek.Batcher(Split(short=1), max_batch_size=4, max_delay_ms=5_000, adaptive=False) as b:
+        futures = [b.submit(row) for row in np.ones((4, 3), np.float32)]
+        for f in futures:
+            with pytest.raises(ek.BatcherError, match="output 'y' has 3 rows for a batch of 4"):
+                f.result(timeout=10)
+        assert b.stats()["failed"] == 4
