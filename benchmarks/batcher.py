@@ -244,7 +244,7 @@ def batch1_latency(engine: ek.Engine, batch: Any, seconds: float) -> float:
 
 def ceiling_slice(
     engine: ek.Engine, batch: Any, rows: int, seconds: float, rate: float = 0.0, streams: int = 1
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Full batches already in memory, back to back: rows/s and process CPU seconds per row.
     With ``rate``, the load generator runs beside it at that rate with a submit that does
     nothing: the CPU and interpreter lock that the batcher cell's generator takes, taken from
@@ -273,14 +273,82 @@ def ceiling_slice(
         generator.start()
     for t in callers:
         t.start()
+    me = threading.get_native_id()
+    sched = thread_sched(me)
     loop(0)
+    sched_end = thread_sched(me)
     for t in callers:
         t.join()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     if generator:
         generator.join()
     calls = sum(counts)
-    return {"throughput": calls * rows / wall, "cpu_per_row": cpu / (calls * rows)}
+    out: dict[str, Any] = {"throughput": calls * rows / wall, "cpu_per_row": cpu / (calls * rows)}
+    if sched is not None and sched_end is not None:
+        out["engine_thread"] = per_call(sched, sched_end, counts[0])
+    return out
+
+
+def thread_sched(native_id: int) -> np.ndarray | None:
+    """One thread's [wall, CPU, runqueue wait (s), voluntary, involuntary context switches] so
+    far, from Linux's /proc (None elsewhere). Voluntary switches are the thread blocking (on
+    the interpreter lock or another lock: an ONNX Runtime call with one intra-op thread does
+    not block); involuntary ones, another thread taking its core."""
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat") as f:
+            cpu_ns, wait_ns = f.read().split()[:2]
+        with open(f"/proc/self/task/{native_id}/status") as f:
+            switches = {k: int(v) for k, _, v in (line.partition(":") for line in f) if "ctxt" in k}
+    except (OSError, ValueError):
+        return None
+    return np.array(
+        [
+            time.perf_counter(),
+            int(cpu_ns) / 1e9,
+            int(wait_ns) / 1e9,
+            switches.get("voluntary_ctxt_switches", 0),
+            switches.get("nonvoluntary_ctxt_switches", 0),
+        ]
+    )
+
+
+def per_call(before: np.ndarray, after: np.ndarray, calls: int) -> dict[str, float]:
+    """An engine thread's time per engine call between two thread_sched() samples: on its CPU,
+    waiting for a core, blocked (the rest: the interpreter lock, a lock), and switches."""
+    wall, cpu, wait, voluntary, involuntary = (after - before) / max(calls, 1)
+    return {
+        "calls": calls,
+        "wall_ms": wall * 1e3,
+        "cpu_ms": cpu * 1e3,
+        "runqueue_ms": wait * 1e3,
+        "blocked_ms": (wall - cpu - wait) * 1e3,
+        "voluntary": voluntary,
+        "involuntary": involuntary,
+    }
+
+
+class EngineThreadSampler(threading.Thread):
+    """Samples a Batcher's first worker (thread_sched) and its batch count from ``start`` to
+    ``end`` seconds after it starts: the engine thread's accounting while the generator runs."""
+
+    def __init__(self, batcher: ek.Batcher, start: float, end: float) -> None:
+        super().__init__(daemon=True)
+        self.batcher, self.window = batcher, (start, end)
+        self.result: dict[str, float] | None = None
+
+    def run(self) -> None:
+        worker = next(
+            (t for t in threading.enumerate() if t.name == f"batcher-{self.batcher.name}-worker0"),
+            None,
+        )
+        if worker is None or worker.native_id is None:
+            return
+        time.sleep(self.window[0])
+        before, batches = thread_sched(worker.native_id), self.batcher.stats()["batches"]
+        time.sleep(self.window[1] - self.window[0])
+        after, batches = thread_sched(worker.native_id), self.batcher.stats()["batches"] - batches
+        if before is not None and after is not None and batches > 0:
+            self.result = per_call(before, after, batches)
 
 
 def _mark(future: concurrent.futures.Future) -> None:
@@ -417,7 +485,7 @@ def run_model(
     pool = concurrent.futures.ThreadPoolExecutor(POOL_THREADS)
     rates = QUICK_RATES if args.quick else RATES
     before = first
-    beside: list[dict[str, float]] = []
+    beside: list[dict[str, Any]] = []
     for fraction in rates:
         rate = fraction * ceiling
         # At the lowest rate the p99 is a goal: enough requests that it is not the second
@@ -467,10 +535,20 @@ def run_model(
             workers=args.workers,
             standby=args.standby,
         ) as batcher:
+            sampler = None
+            if top:  # the engine thread while the generator runs (10%..90% of its span)
+                sampler = EngineThreadSampler(batcher, 0.1 * count / rate, 0.9 * count / rate)
+                sampler.start()
             cpu = time.process_time()
-            cell = open_loop(batcher.submit, samples, rate, seed, trace=traces["batcher"])
+            cell: dict[str, Any] = open_loop(
+                batcher.submit, samples, rate, seed, trace=traces["batcher"]
+            )
             cpu = time.process_time() - cpu
             stats = batcher.stats()
+            if sampler is not None:
+                sampler.join()
+                if sampler.result is not None:
+                    cell["engine_thread"] = sampler.result
         if low:
             lone = lone_calls(pool_engine, cell_engine)
             print(
@@ -550,6 +628,23 @@ def run_model(
             f"rows/s, ceiling with the same generator beside it {loaded:,.0f} rows/s -> "
             f"{last['of_ceiling_beside_generator']:.2f} (idle ceiling: {last['ceiling']:,.0f})"
         )
+        sampled = [b["engine_thread"] for b in beside if "engine_thread" in b]
+        if sampled and "engine_thread" in last:
+            last["ceiling_engine_thread"] = {
+                k: float(np.mean([b[k] for b in sampled])) for k in sampled[0]
+            }
+            print(
+                "  engine thread per call: "
+                + "; ".join(
+                    f"{label} {t['wall_ms']:.2f} ms = CPU {t['cpu_ms']:.2f} + waiting for a core "
+                    f"{t['runqueue_ms']:.2f} + blocked {t['blocked_ms']:.2f} (switches "
+                    f"{t['voluntary']:.2f} voluntary, {t['involuntary']:.2f} involuntary)"
+                    for label, t in (
+                        ("batcher", last["engine_thread"]),
+                        ("ceiling beside the generator", last["ceiling_engine_thread"]),
+                    )
+                )
+            )
     top = rates[-1] * ceiling
     count = max(int(top * args.seconds), 50)
     gen = generator_cost([None] * count, top)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,9 @@ def test_quick_run_reports_every_mode_at_every_rate(script, onnx_model):
     )
     assert 0 <= top["full_batches"] <= 1 and top["engine_ms_per_batch"] > 0
     assert top["standby_batches"] <= top["standby"] * 10**6  # counted for every cell
+    for thread in (top.get("engine_thread"), top.get("ceiling_engine_thread")):
+        if thread is not None:  # Linux: the engine thread's time per call, accounted
+            assert thread["cpu_ms"] > 0 and thread["wall_ms"] >= thread["cpu_ms"] * 0.9
     goals = script.goals_for("cnn", rows)
     assert [g[0].split(":")[1].split()[0] for g in goals] == ["highest", "lowest-rate"]
 
@@ -120,3 +124,19 @@ def test_quick_run_with_trace_reports_the_lone_call_and_the_tail(script, onnx_mo
         assert sum(r["trace"]["tail_classes"].values()) == len(r["trace"]["tail"]) >= 1
     out = capsys.readouterr().out
     assert "lone batch-1 call" in out and "trace batcher" in out and "trace pool" in out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc only")
+def test_engine_thread_accounting_splits_wall_time_per_call(script):
+    import threading
+
+    me = threading.get_native_id()
+    before = script.thread_sched(me)
+    end = time.thread_time() + 0.02
+    while time.thread_time() < end:  # 20 ms on the CPU
+        pass
+    time.sleep(0.02)  # 20 ms blocked
+    t = script.per_call(before, script.thread_sched(me), calls=2)
+    assert t["calls"] == 2 and t["cpu_ms"] > 0  # per call: half of the window
+    assert t["blocked_ms"] > 0 and t["voluntary"] >= 0.5  # the sleep blocked it
+    assert abs(t["wall_ms"] - t["cpu_ms"] - t["runqueue_ms"] - t["blocked_ms"]) < 1e-6
