@@ -2,9 +2,11 @@
 
 Three stages overlap, joined by bounded queues: a reader thread (reading, decoding — images in
 a thread pool or worker processes — and cutting rows into batches that never cross a shard
-boundary), the engine on the calling thread, and a writer thread that gathers a shard's
-outputs, writes the shard atomically and commits it to the ledger. The queues bound memory; the
-engine only waits when reading is slower than inference.
+boundary), the engine (on the calling thread, or one thread per stream, each taking the next
+batch itself), and a writer thread that writes each shard atomically and commits it to the
+ledger. Hand-offs are per read and per shard, not per batch (each wakes a thread that takes a
+core from the engine). The queues bound memory; the engine only waits when reading is slower
+than inference.
 
 Each stage times itself (:class:`StageTimes`): the seconds it spent working, the CPU its thread
 used, and how long the engine waited on either queue — which names the stage that limited the
@@ -209,11 +211,15 @@ def run_local(
 
         def pulled(pieces: Iterator[Piece]) -> Iterator[Piece]:
             # Before the next piece is read, hand on the batches the last one made: a slow
-            # source's batch is never held back waiting for more.
+            # source's batch is never held back waiting for more. (Waiting for room in the
+            # inbox is not reading: taken out of ``busy``.)
+            nonlocal busy
             for piece in pieces:
                 yield piece
+                t = time.perf_counter()
                 if chunk and not inbox.put(chunk, state):
                     raise _Stopped
+                busy -= time.perf_counter() - t
                 chunk.clear()
 
         try:

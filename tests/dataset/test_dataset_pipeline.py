@@ -274,3 +274,15 @@ def test_threads_are_handed_a_read_and_a_shard_at_a_time_not_a_batch(ekit, tmp_p
     assert reads[:2] == [1, min(step, 29)] and sum(r or 0 for r in reads) == 30
     assert shards == [10, 10, 10] and len(writer_wakes) == 4  # 3 shards and the end, not 30
     np.testing.assert_array_equal(read_output(tmp_path / "out")["output"], ref["output"])
+
+
+def test_the_reader_waiting_for_room_is_not_counted_as_reading(ekit, tmp_path):
+    # A fast source ahead of a slow engine: the reader spends the run waiting for room in the
+    # inbox, which must not make reading look like the bottleneck's twin.
+    x = cnn_rows(20)
+    with ek.load(ekit("cnn")) as inner:
+        ek.infer_dataset(inner, [x[:2]], tmp_path / "warm", 2)  # first-use imports: not timed
+        engine = Limited(inner, limit=64, slow=2, slow_runs=10)  # each batch sleeps 0.05 s
+        rows = (x[i : i + 2] for i in range(0, 20, 2))  # one batch a piece: a put each
+        s = ek.infer_dataset(engine, rows, tmp_path / "out", 2, prefetch=1)
+    assert s.stages.batches == 10 and s.stages.read < s.stages.infer / 2
