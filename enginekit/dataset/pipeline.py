@@ -277,25 +277,34 @@ class _Stopped(Exception):
 
 
 class _Inbox:
-    """Batches from the reader, a read's worth at a time, at most ``prefetch`` batches ahead
-    (a read larger than that is still taken whole when nothing else is queued)."""
+    """Batches from the reader, queued a read's worth at a time (one wake-up per read), taken
+    one at a time in order by the streams; at most ``prefetch`` batches queued (a read larger
+    than that is queued whole once the queue is empty).
+
+    Counting the batches not yet taken, not the reads, keeps what is read ahead small: the
+    engine's next batch was written by the reader recently enough to be in the caches."""
 
     def __init__(self, prefetch: int) -> None:
         self.prefetch = prefetch
-        self.chunks: collections.deque[list[Batch]] = collections.deque()
-        self.queued = 0
+        self.batches: collections.deque[Batch] = collections.deque()
         self.closed = False
+        self.waiting = 0  # batches the reader waits to queue (0: it does not wait)
+        self.taken = 0  # batches taken: the next one's sequence number
         self.cond = threading.Condition()
 
+    def _room(self, n: int) -> bool:
+        return not self.batches or len(self.batches) + n <= self.prefetch
+
     def put(self, chunk: list[Batch], state: State) -> bool:
-        """Queue a copy of ``chunk``; False when the job is stopping."""
+        """Queue ``chunk``'s batches; False when the job is stopping."""
         with self.cond:
-            while self.chunks and self.queued + len(chunk) > self.prefetch:
+            while not self._room(len(chunk)):
                 if state.stop.is_set():
                     return False
+                self.waiting = len(chunk)
                 self.cond.wait(0.1)
-            self.chunks.append(list(chunk))
-            self.queued += len(chunk)
+            self.waiting = 0
+            self.batches.extend(chunk)
             self.cond.notify_all()
         return not state.stop.is_set()
 
@@ -304,17 +313,18 @@ class _Inbox:
             self.closed = True
             self.cond.notify_all()
 
-    def get(self, state: State) -> list[Batch] | None:
-        """The next read's batches; None at the end or when the job is stopping."""
+    def get(self, state: State) -> tuple[int, Batch] | None:
+        """The next batch and its sequence number; None at the end or when stopping."""
         with self.cond:
-            while not self.chunks:
+            while not self.batches:
                 if self.closed or state.stop.is_set():
                     return None
                 self.cond.wait(0.1)
-            chunk = self.chunks.popleft()
-            self.queued -= len(chunk)
-            self.cond.notify_all()
-            return chunk
+            batch = self.batches.popleft()
+            self.taken += 1
+            if self.waiting and self._room(self.waiting):
+                self.cond.notify_all()  # the reader: only once its read fits
+            return self.taken - 1, batch
 
 
 class _Flow:
@@ -325,10 +335,6 @@ class _Flow:
         self, inbox: _Inbox, outbox: queue.Queue, state: State, bar: Progress, began: float
     ) -> None:
         self.inbox, self.outbox, self.state, self.bar, self.began = inbox, outbox, state, bar, began
-        self.take_lock = threading.Lock()  # the next batch, in order
-        self.pending: collections.deque[Batch] = collections.deque()
-        self.taken = 0  # batches handed to streams (each one's sequence number)
-        self.ended = False
         self.gather_lock = threading.Lock()  # outputs back in order, then to the writer
         self.done: dict[int, tuple[Batch, dict[str, np.ndarray]]] = {}
         self.next = 0  # the sequence number the shard in progress needs next
@@ -338,19 +344,10 @@ class _Flow:
         self.stats: list[tuple[float, float, float]] = []  # each stream's infer, waits in, out
 
     def _take(self) -> tuple[int, Batch] | None:
-        with self.take_lock:
-            if not self.pending and not self.ended:
-                chunk = self.inbox.get(self.state)
-                if chunk is None:
-                    self.ended = True
-                else:
-                    self.pending.extend(chunk)
-                    if self.first is None:
-                        self.first = time.perf_counter() - self.began
-            if not self.pending:
-                return None
-            self.taken += 1
-            return self.taken - 1, self.pending.popleft()
+        got = self.inbox.get(self.state)
+        if got is not None and self.first is None:
+            self.first = time.perf_counter() - self.began
+        return got
 
     def work(self, engine: Engine) -> None:
         """One stream: batches until the source ends or the job stops."""
@@ -414,7 +411,7 @@ class _Flow:
             first_batch=self.first or 0.0,
             wait_input=wait_input,
             wait_output=wait_output,
-            batches=self.taken,
+            batches=self.inbox.taken,
         )
 
 

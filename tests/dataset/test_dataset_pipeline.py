@@ -253,25 +253,24 @@ def test_threads_are_handed_a_read_and_a_shard_at_a_time_not_a_batch(ekit, tmp_p
     spec = [TensorSpec("x", "float32", ("batch", 3, 16, 16))]
     step = read_rows(4, spec) // 4  # batches per read
     reads, shards, writer_wakes = [], [], []
-    get, commit, writer_get = pipeline._Inbox.get, pipeline._commit, pipeline._get
+    put, commit, writer_get = pipeline._Inbox.put, pipeline._commit, pipeline._get
 
-    def spy_get(self, state):
-        chunk = get(self, state)
-        reads.append(None if chunk is None else len(chunk))
-        return chunk
+    def spy_put(self, chunk, state):
+        reads.append(len(chunk))
+        return put(self, chunk, state)
 
     def spy_commit(parts, shard, *args):
         shards.append(len(parts))
         return commit(parts, shard, *args)
 
-    monkeypatch.setattr(pipeline._Inbox, "get", spy_get)
+    monkeypatch.setattr(pipeline._Inbox, "put", spy_put)
     monkeypatch.setattr(pipeline, "_get", lambda q, st: writer_wakes.append(1) or writer_get(q, st))
     monkeypatch.setattr(pipeline, "_commit", spy_commit)
     with ek.load(ekit("cnn")) as engine:
         s = ek.infer_dataset(engine, path, tmp_path / "out", 4, shard_rows=40, streams=2)
         ref = naive(engine, {"x": cnn_rows(120)}, 4)
     assert (s.rows, s.shards, s.stages.batches) == (120, 3, 30)
-    assert reads[:2] == [1, min(step, 29)] and sum(r or 0 for r in reads) == 30
+    assert reads[:2] == [1, min(step, 29)] and sum(reads) == 30
     assert shards == [10, 10, 10] and len(writer_wakes) == 4  # 3 shards and the end, not 30
     np.testing.assert_array_equal(read_output(tmp_path / "out")["output"], ref["output"])
 
