@@ -16,7 +16,6 @@ engine even when the engine never waits: ``read_cpu`` and ``write_cpu`` show how
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import queue
 import threading
@@ -29,7 +28,7 @@ import numpy as np
 
 from enginekit.dataset import ledger as ledger_mod
 from enginekit.dataset.autobatch import is_out_of_memory
-from enginekit.dataset.batches import Batch, concat_ids, rebatch
+from enginekit.dataset.batches import Batch, BatchQueue, concat_ids, rebatch
 from enginekit.dataset.progress import Progress
 from enginekit.dataset.sinks import shard_name, write_shard
 from enginekit.dataset.sources import Piece, Source
@@ -198,7 +197,7 @@ def run_local(
     reader, the dispatching thread and the writer woke ~1,700 times per 40k rows of the
     demo CNN and preempted the engine's threads ~900 times; see docs/batch-inference.md).
     """
-    inbox = _Inbox(prefetch)
+    inbox = BatchQueue(prefetch)
     # Whole shards: the one being written and one more, so that the engine goes on with the
     # next shard while the writer writes and fsyncs one (the engine holds at most one more).
     outbox: queue.Queue = queue.Queue(1)
@@ -217,7 +216,7 @@ def run_local(
             for piece in pieces:
                 yield piece
                 t = time.perf_counter()
-                if chunk and not inbox.put(chunk, state):
+                if chunk and not inbox.put(chunk, state.stop):
                     raise _Stopped
                 busy -= time.perf_counter() - t
                 chunk.clear()
@@ -232,7 +231,7 @@ def run_local(
                     break
                 chunk.append(batch)
             if chunk:
-                inbox.put(chunk, state)
+                inbox.put(chunk, state.stop)
         except _Stopped:
             pass
         except BaseException as exc:
@@ -276,63 +275,12 @@ class _Stopped(Exception):
     """The job is stopping: the reader ends without handing on more."""
 
 
-class _Inbox:
-    """Batches from the reader, queued a read's worth at a time (one wake-up per read), taken
-    one at a time in order by the streams; at most ``prefetch`` batches queued (a read larger
-    than that is queued whole once the queue is empty).
-
-    Counting the batches not yet taken, not the reads, keeps what is read ahead small: the
-    engine's next batch was written by the reader recently enough to be in the caches."""
-
-    def __init__(self, prefetch: int) -> None:
-        self.prefetch = prefetch
-        self.batches: collections.deque[Batch] = collections.deque()
-        self.closed = False
-        self.waiting = 0  # batches the reader waits to queue (0: it does not wait)
-        self.taken = 0  # batches taken: the next one's sequence number
-        self.cond = threading.Condition()
-
-    def _room(self, n: int) -> bool:
-        return not self.batches or len(self.batches) + n <= self.prefetch
-
-    def put(self, chunk: list[Batch], state: State) -> bool:
-        """Queue ``chunk``'s batches; False when the job is stopping."""
-        with self.cond:
-            while not self._room(len(chunk)):
-                if state.stop.is_set():
-                    return False
-                self.waiting = len(chunk)
-                self.cond.wait(0.1)
-            self.waiting = 0
-            self.batches.extend(chunk)
-            self.cond.notify_all()
-        return not state.stop.is_set()
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-
-    def get(self, state: State) -> tuple[int, Batch] | None:
-        """The next batch and its sequence number; None at the end or when stopping."""
-        with self.cond:
-            while not self.batches:
-                if self.closed or state.stop.is_set():
-                    return None
-                self.cond.wait(0.1)
-            batch = self.batches.popleft()
-            self.taken += 1
-            if self.waiting and self._room(self.waiting):
-                self.cond.notify_all()  # the reader: only once its read fits
-            return self.taken - 1, batch
-
-
 class _Flow:
     """The engine stage: each stream takes the next batch in the source's order, runs it, and
     gathers its outputs in order into shards for the writer (one hand-off per shard)."""
 
     def __init__(
-        self, inbox: _Inbox, outbox: queue.Queue, state: State, bar: Progress, began: float
+        self, inbox: BatchQueue, outbox: queue.Queue, state: State, bar: Progress, began: float
     ) -> None:
         self.inbox, self.outbox, self.state, self.bar, self.began = inbox, outbox, state, bar, began
         self.gather_lock = threading.Lock()  # outputs back in order, then to the writer
@@ -344,7 +292,7 @@ class _Flow:
         self.stats: list[tuple[float, float, float]] = []  # each stream's infer, waits in, out
 
     def _take(self) -> tuple[int, Batch] | None:
-        got = self.inbox.get(self.state)
+        got = self.inbox.get(self.state.stop)
         if got is not None and self.first is None:
             self.first = time.perf_counter() - self.began
         return got

@@ -246,6 +246,7 @@ def test_threads_are_handed_a_read_and_a_shard_at_a_time_not_a_batch(ekit, tmp_p
     # queues all the batches of one read at once (the first read is one batch), the writer
     # gets whole shards, and the streams take their batches themselves (no dispatcher).
     from enginekit.dataset import pipeline
+    from enginekit.dataset.batches import BatchQueue
 
     path = write_parquet(
         tmp_path / "p.parquet", {"x": tensor_column(cnn_rows(120))}, row_group_size=120
@@ -253,17 +254,17 @@ def test_threads_are_handed_a_read_and_a_shard_at_a_time_not_a_batch(ekit, tmp_p
     spec = [TensorSpec("x", "float32", ("batch", 3, 16, 16))]
     step = read_rows(4, spec) // 4  # batches per read
     reads, shards, writer_wakes = [], [], []
-    put, commit, writer_get = pipeline._Inbox.put, pipeline._commit, pipeline._get
+    put, commit, writer_get = BatchQueue.put, pipeline._commit, pipeline._get
 
-    def spy_put(self, chunk, state):
+    def spy_put(self, chunk, stop):
         reads.append(len(chunk))
-        return put(self, chunk, state)
+        return put(self, chunk, stop)
 
     def spy_commit(parts, shard, *args):
         shards.append(len(parts))
         return commit(parts, shard, *args)
 
-    monkeypatch.setattr(pipeline._Inbox, "put", spy_put)
+    monkeypatch.setattr(BatchQueue, "put", spy_put)
     monkeypatch.setattr(pipeline, "_get", lambda q, st: writer_wakes.append(1) or writer_get(q, st))
     monkeypatch.setattr(pipeline, "_commit", spy_commit)
     with ek.load(ekit("cnn")) as engine:
