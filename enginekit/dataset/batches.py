@@ -1,8 +1,11 @@
-"""Rows cut into engine batches that never cross a shard boundary."""
+"""Rows cut into engine batches that never cross a shard boundary, and the queue that hands
+them from a job's reader to its engine."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -81,3 +84,54 @@ def _chunk(col: Any) -> Any:
     if isinstance(col, pa.ChunkedArray):
         return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     return col
+
+
+class BatchQueue:
+    """Batches from a dataset job's reader, queued a read's worth at a time (one wake-up per
+    read), taken one at a time in order by the engine's streams; at most ``prefetch`` batches
+    queued (a read larger than that is queued whole once the queue is empty).
+
+    Counting the batches not yet taken, not the reads, keeps what is read ahead small: the
+    engine's next batch was written by the reader recently enough to be in the caches."""
+
+    def __init__(self, prefetch: int) -> None:
+        self.prefetch = prefetch
+        self.batches: collections.deque[Batch] = collections.deque()
+        self.closed = False
+        self.waiting = 0  # batches the reader waits to queue (0: it does not wait)
+        self.taken = 0  # batches taken: the next one's sequence number
+        self.cond = threading.Condition()
+
+    def _room(self, n: int) -> bool:
+        return not self.batches or len(self.batches) + n <= self.prefetch
+
+    def put(self, chunk: list[Batch], stop: threading.Event) -> bool:
+        """Queue ``chunk``'s batches; False once ``stop`` is set."""
+        with self.cond:
+            while not self._room(len(chunk)):
+                if stop.is_set():
+                    return False
+                self.waiting = len(chunk)
+                self.cond.wait(0.1)
+            self.waiting = 0
+            self.batches.extend(chunk)
+            self.cond.notify_all()
+        return not stop.is_set()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def get(self, stop: threading.Event) -> tuple[int, Batch] | None:
+        """The next batch and its sequence number; None at the end or once ``stop`` is set."""
+        with self.cond:
+            while not self.batches:
+                if self.closed or stop.is_set():
+                    return None
+                self.cond.wait(0.1)
+            batch = self.batches.popleft()
+            self.taken += 1
+            if self.waiting and self._room(self.waiting):
+                self.cond.notify_all()  # the reader: only once its read fits
+            return self.taken - 1, batch

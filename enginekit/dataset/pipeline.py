@@ -2,9 +2,11 @@
 
 Three stages overlap, joined by bounded queues: a reader thread (reading, decoding — images in
 a thread pool or worker processes — and cutting rows into batches that never cross a shard
-boundary), the engine on the calling thread, and a writer thread that gathers a shard's
-outputs, writes the shard atomically and commits it to the ledger. The queues bound memory; the
-engine only waits when reading is slower than inference.
+boundary), the engine (on the calling thread, or one thread per stream, each taking the next
+batch itself), and a writer thread that writes each shard atomically and commits it to the
+ledger. Hand-offs are per read and per shard, not per batch (each wakes a thread that takes a
+core from the engine). The queues bound memory; the engine only waits when reading is slower
+than inference.
 
 Each stage times itself (:class:`StageTimes`): the seconds it spent working, the CPU its thread
 used, and how long the engine waited on either queue — which names the stage that limited the
@@ -14,8 +16,6 @@ engine even when the engine never waits: ``read_cpu`` and ``write_cpu`` show how
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import queue
 import threading
@@ -28,7 +28,7 @@ import numpy as np
 
 from enginekit.dataset import ledger as ledger_mod
 from enginekit.dataset.autobatch import is_out_of_memory
-from enginekit.dataset.batches import Batch, concat_ids, rebatch
+from enginekit.dataset.batches import Batch, BatchQueue, concat_ids, rebatch
 from enginekit.dataset.progress import Progress
 from enginekit.dataset.sinks import shard_name, write_shard
 from enginekit.dataset.sources import Piece, Source
@@ -40,10 +40,6 @@ _END = object()
 #: the engine's threads run first and I/O fill the gaps they leave; benchmarks/dataset.py
 #: measures both (see docs/batch-inference.md, "Where the time goes").
 IO_NICE = 0
-#: Engine calls queued per stream beyond the one running (streams > 1): a stream that finishes
-#: a call starts the next queued one at once, instead of waiting for the dispatching thread
-#: to wake, hand the result on and submit another.
-QUEUED = 1
 #: The engine waiting on a queue for more than this share of its loop names that stage the
 #: bottleneck; below it, the engine itself limited the run (reading and writing were hidden).
 WAIT_SHARE = 0.1
@@ -191,109 +187,180 @@ def run_local(
     ``total``: the source's rows, when known: the commit that reaches it also marks the ledger
     complete (one save, not two, after the last batch).
 
-    ``streams`` > 1 keeps that many engine calls in flight on worker threads (the engine is
-    thread-safe); results still reach the writer in the source's order, so shards, the ledger
-    and resume are exactly as with one stream.
+    ``streams`` > 1 runs that many engine calls at once, each stream on its own thread taking
+    the next batch itself (the engine is thread-safe); results still reach the writer in the
+    source's order, so shards, the ledger and resume are exactly as with one stream.
+
+    Hand-offs are per read and per shard, not per batch: the reader queues all the batches one
+    read made at once, and the writer is handed a whole shard. On a machine with few cores
+    every hand-off wakes a thread that takes a core from the engine mid-call (per batch, the
+    reader, the dispatching thread and the writer woke ~1,700 times per 40k rows of the
+    demo CNN and preempted the engine's threads ~900 times; see docs/batch-inference.md).
     """
-    inbox: queue.Queue = queue.Queue(prefetch)
-    # The writer's items hold outputs and ids, not the inputs (dropped below). Room for a whole
-    # shard's batches: while the writer writes and fsyncs one shard, the engine goes on with
-    # the next instead of blocking (the writer holds a shard's outputs until it is written
-    # anyway, so this at most doubles what it holds).
-    outbox: queue.Queue = queue.Queue(max(4 * prefetch, -(-shard_rows // size) + prefetch))
+    inbox = BatchQueue(prefetch)
+    # Whole shards: the one being written and one more, so that the engine goes on with the
+    # next shard while the writer writes and fsyncs one (the engine holds at most one more).
+    outbox: queue.Queue = queue.Queue(1)
 
     def read() -> None:
         _lower_priority(IO_NICE)
         cpu = time.thread_time()
         busy = 0.0
+        chunk: list[Batch] = []
+
+        def pulled(pieces: Iterator[Piece]) -> Iterator[Piece]:
+            # Before the next piece is read, hand on the batches the last one made: a slow
+            # source's batch is never held back waiting for more. (Waiting for room in the
+            # inbox is not reading: taken out of ``busy``.)
+            nonlocal busy
+            for piece in pieces:
+                yield piece
+                t = time.perf_counter()
+                if chunk and not inbox.put(chunk, state.stop):
+                    raise _Stopped
+                busy -= time.perf_counter() - t
+                chunk.clear()
+
         try:
-            batches = rebatch(src.pieces(start, size), size, shard_rows, start)
+            batches = rebatch(pulled(src.pieces(start, size)), size, shard_rows, start)
             while True:
                 t = time.perf_counter()
-                batch = next(batches, _END)
+                batch = next(batches, None)
                 busy += time.perf_counter() - t
-                if batch is _END or not _put(inbox, batch, state):
+                if batch is None:
                     break
+                chunk.append(batch)
+            if chunk:
+                inbox.put(chunk, state.stop)
+        except _Stopped:
+            pass
         except BaseException as exc:
             state.error = state.error or exc
             state.stop.set()
         state.times.append(StageTimes(read=busy, read_cpu=time.thread_time() - cpu))
-        _put(inbox, _END, state)
+        inbox.close()
 
     began = time.perf_counter()
     reader = threading.Thread(target=read, name="enginekit-read", daemon=True)
     reader.start()
     writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state, total)
-    rows = batches = 0
-    first = infer = wait_input = wait_output = 0.0
-    pool = (
-        concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="enginekit-stream")
-        if streams > 1
-        else None
-    )
-    # Calls in flight, oldest first: (batch without its inputs, its outputs' future).
-    flight: collections.deque[tuple[Batch, Any]] = collections.deque()
-    depth = streams if pool is None else streams * (1 + QUEUED)
+    flow = _Flow(inbox, outbox, state, bar, began)
+    workers = [
+        threading.Thread(target=flow.work, args=(engine,), name=f"enginekit-stream-{i}")
+        for i in range(streams if streams > 1 else 0)
+    ]
     try:
-        ended = False
-        while not ended or flight:
-            t0 = time.perf_counter()
-            batch = _END
-            if not ended and len(flight) < depth:
-                batch = _get(inbox, state)
-                t1 = time.perf_counter()
-                if batches:
-                    wait_input += t1 - t0
-                else:
-                    first = t1 - began
-                if batch is _END:
-                    ended = True
-                else:
-                    batches += 1
-                    rows += batch.piece.rows
-                    piece = batch.piece
-                    done = Batch(batch.shard, batch.last, Piece(piece.ids, {}, piece.rows))
-                    if pool is None:
-                        outputs = _infer(engine, piece.inputs, state)
-                        flight.append((done, outputs))
-                    else:
-                        flight.append((done, pool.submit(_infer, engine, piece.inputs, state)))
-                    t0 = time.perf_counter()
-                    infer += t0 - t1 if pool is None else 0.0
-                if len(flight) < depth and not ended:
-                    continue  # fill every stream before waiting on the oldest
-            if not flight:
-                continue
-            done, outputs = flight.popleft()
-            if pool is not None:
-                outputs = outputs.result()
-            t2 = time.perf_counter()
-            infer += t2 - t0 if pool is not None else 0.0
-            if not _put(outbox, (done, outputs), state):
-                break
-            wait_output += time.perf_counter() - t2
+        if workers:
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+        else:
+            flow.work(engine)  # one stream: the engine runs on the calling thread
+        flow.finish()
     except BaseException as exc:
         state.error = state.error or exc
         state.stop.set()
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-    state.times.append(
-        StageTimes(
-            infer=infer,
-            first_batch=first,
-            wait_input=wait_input,
-            wait_output=wait_output,
-            batches=batches,
-        )
-    )
+    state.times.append(flow.times(max(1, len(workers))))
     _put(outbox, _END, state)
     writer.join()
     state.stop.set()
     reader.join()
     if state.error is not None:
         raise state.error
-    return rows
+    return flow.rows
+
+
+class _Stopped(Exception):
+    """The job is stopping: the reader ends without handing on more."""
+
+
+class _Flow:
+    """The engine stage: each stream takes the next batch in the source's order, runs it, and
+    gathers its outputs in order into shards for the writer (one hand-off per shard)."""
+
+    def __init__(
+        self, inbox: BatchQueue, outbox: queue.Queue, state: State, bar: Progress, began: float
+    ) -> None:
+        self.inbox, self.outbox, self.state, self.bar, self.began = inbox, outbox, state, bar, began
+        self.gather_lock = threading.Lock()  # outputs back in order, then to the writer
+        self.done: dict[int, tuple[Batch, dict[str, np.ndarray]]] = {}
+        self.next = 0  # the sequence number the shard in progress needs next
+        self.shard: list[tuple[Batch, dict[str, np.ndarray]]] = []
+        self.rows = 0
+        self.first: float | None = None
+        self.stats: list[tuple[float, float, float]] = []  # each stream's infer, waits in, out
+
+    def _take(self) -> tuple[int, Batch] | None:
+        got = self.inbox.get(self.state.stop)
+        if got is not None and self.first is None:
+            self.first = time.perf_counter() - self.began
+        return got
+
+    def work(self, engine: Engine) -> None:
+        """One stream: batches until the source ends or the job stops."""
+        infer = wait_input = wait_output = 0.0
+        started = False
+        try:
+            while not self.state.stop.is_set():
+                t0 = time.perf_counter()
+                got = self._take()
+                t1 = time.perf_counter()
+                wait_input += t1 - t0 if started else 0.0
+                started = True
+                if got is None:
+                    break
+                seq, batch = got
+                piece = batch.piece
+                outputs = _infer(engine, piece.inputs, self.state)
+                t2 = time.perf_counter()
+                infer += t2 - t1
+                # Only the ids and outputs are kept until the shard is written: holding the
+                # inputs too would keep a whole shard of input rows alive.
+                done = Batch(batch.shard, batch.last, Piece(piece.ids, {}, piece.rows))
+                del got, batch, piece
+                if not self._gather(seq, done, outputs):
+                    break
+                wait_output += time.perf_counter() - t2
+        except BaseException as exc:
+            self.state.error = self.state.error or exc
+            self.state.stop.set()
+        with self.gather_lock:
+            self.stats.append((infer, wait_input, wait_output))
+
+    def _gather(self, seq: int, done: Batch, outputs: dict[str, np.ndarray]) -> bool:
+        """Outputs back in the source's order; a shard's last batch hands the shard on (the
+        put may wait for the writer: counted as the engine waiting on output)."""
+        with self.gather_lock:
+            self.done[seq] = (done, outputs)
+            while self.next in self.done:
+                item = self.done.pop(self.next)
+                self.next += 1
+                self.rows += item[0].piece.rows
+                self.bar.advance(item[0].piece.rows)
+                self.shard.append(item)
+                if item[0].last:
+                    shard, self.shard = self.shard, []
+                    if not _put(self.outbox, shard, self.state):
+                        return False
+        return True
+
+    def finish(self) -> None:
+        """The source ended: a last shard that ended without its ``last`` mark goes too."""
+        if self.shard and not self.state.stop.is_set():
+            _put(self.outbox, self.shard, self.state)
+            self.shard = []
+
+    def times(self, streams: int) -> StageTimes:
+        """The engine stage's times: each stream's, averaged (wall-clock, like one stream's)."""
+        infer, wait_input, wait_output = (sum(x) / streams for x in zip(*self.stats or [(0, 0, 0)]))
+        return StageTimes(
+            infer=infer,
+            first_batch=self.first or 0.0,
+            wait_input=wait_input,
+            wait_output=wait_output,
+            batches=self.inbox.taken,
+        )
 
 
 def write_all(
@@ -302,11 +369,12 @@ def write_all(
     total: int | None = None,
 ) -> int:  # fmt: skip
     """The writer for results computed elsewhere (Ray): same shards, same ledger."""
-    outbox: queue.Queue = queue.Queue(prefetch)
+    outbox: queue.Queue = queue.Queue(1)  # whole shards, as in run_local
     rows = batches = 0
     first = waited = wait_output = 0.0
     began = time.perf_counter()
     writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state, total)
+    shard: list[tuple[Batch, dict[str, np.ndarray]]] = []
     try:
         t0 = time.perf_counter()
         for item in results:
@@ -317,10 +385,16 @@ def write_all(
                 first = t1 - began
             batches += 1
             rows += item[0].piece.rows
-            if not _put(outbox, item, state):
-                break
+            bar.advance(item[0].piece.rows)
+            shard.append(item)
+            if item[0].last:
+                shard, full = [], shard
+                if not _put(outbox, full, state):
+                    break
             t0 = time.perf_counter()
             wait_output += t0 - t1
+        if shard and not state.stop.is_set():
+            _put(outbox, shard, state)
     except BaseException as exc:
         state.error = state.error or exc
         state.stop.set()
@@ -363,28 +437,20 @@ def _write_loop(
     outbox: queue.Queue, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
     bar: Progress, state: State, busy: list[float], total: int | None = None,
 ) -> None:  # fmt: skip
-    """Write shards until the end mark, adding the seconds spent writing to ``busy[0]``."""
-    # Only the ids and outputs of a shard's batches are kept until it is written: holding the
-    # inputs too would keep a whole shard of input rows alive (and copy them when joined).
-    parts: list[tuple[dict[str, Any], int, dict[str, np.ndarray]]] = []
+    """Write shards until the end mark, adding the seconds spent writing to ``busy[0]``. Each
+    item is one shard's batches, without their inputs, with their outputs."""
     shard = len(led.shards)
     while True:
         item = _get(outbox, state)
         if item is _END:
             break
         t = time.perf_counter()
-        batch, outputs = item
-        if batch.shard != shard:
-            raise DatasetError(f"internal: batch of shard {batch.shard} while writing {shard}")
-        parts.append((batch.piece.ids, batch.piece.rows, outputs))
-        bar.advance(batch.piece.rows)
-        if batch.last:
-            _commit(parts, shard, led, out, fmt, tensor_format, total)
-            parts, shard = [], shard + 1
-        busy[0] += time.perf_counter() - t
-    if parts and not state.stop.is_set():
-        t = time.perf_counter()
+        for batch, _outputs in item:
+            if batch.shard != shard:
+                raise DatasetError(f"internal: batch of shard {batch.shard} while writing {shard}")
+        parts = [(b.piece.ids, b.piece.rows, o) for b, o in item]
         _commit(parts, shard, led, out, fmt, tensor_format, total)
+        shard += 1
         busy[0] += time.perf_counter() - t
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -321,7 +322,7 @@ def ray_batches(
     try:
         ctx.execution_options.preserve_order = True
         ctx.op_resource_reservation_enabled = False
-        # One task per CPU of the cluster at a time, each holding one CPU and running a
+        # One task per CPU of the cluster at a time (and one more, below), each running a
         # one-thread engine; each reads its own rows (the read is fused into the task: the
         # inputs never pass through the object store) and runs them as engine batches of the
         # local run. Reading and inference overlap across tasks instead of inside one. Tasks,
@@ -333,15 +334,20 @@ def ray_batches(
         most = BLOCK_BYTES // max(1, _row_bytes(src))
         left = (src.rows or 0) - start
         block = max(size, min(left // (4 * cpus), most))
-        # A whole number of rounds of one block per CPU, of equal rows: with 9 blocks on 2
-        # CPUs (100k rows of the demo CNN) the last ran alone, one CPU idle for a ninth of
-        # the rows.
-        count = -(-max(1, -(-left // block)) // cpus) * cpus
+        # One task more than the CPUs in flight, each reserving an equal share of them: Ray
+        # Data's loop notices a finished task only when its 0.1 s wait on all of them times
+        # out, and with one task per CPU that CPU sat idle until then (0.10-0.19 s per task in
+        # Ray's timeline). The extra task keeps every CPU busy meanwhile.
+        inflight, share = tasks_in_flight(cpus)
+        # A whole number of rounds of one block per task in flight, of equal rows: with 9
+        # blocks on 2 CPUs (100k rows of the demo CNN, one task per CPU) the last ran alone,
+        # one CPU idle for a ninth of the rows.
+        count = -(-max(1, -(-left // block)) // inflight) * inflight
         mapped = map_engine(
-            read_dataset(src, start, size, concurrency=cpus, blocks=count), artifact,
+            read_dataset(src, start, size, share, concurrency=inflight, blocks=count), artifact,
             batch_size=None,
             batch_format="pyarrow", columns=src.mapping, engine_batch_size=size,
-            concurrency=cpus, num_cpus=1, compute="tasks",
+            concurrency=inflight, num_cpus=share, compute="tasks",
         )  # fmt: skip
         names = src.keep or []
 
@@ -369,6 +375,13 @@ def ray_batches(
 #: loaded host): blocks of 4096 rows 8,600-10,100 rows/s and 9.4-11.1 CPU-s; of 11-12.5k rows
 #: (this cap: 10.9k, rounded up to a row group's end) 9,600-12,600 and 7.5-9.6.
 BLOCK_BYTES = 128 << 20
+
+
+def tasks_in_flight(cpus: int) -> tuple[int, float]:
+    """--ray's tasks at once on ``cpus`` CPUs and the CPUs each reserves: one more than the
+    CPUs, sharing them (rounded down to Ray's 0.0001 of a CPU, or the last one never fits)."""
+    inflight = cpus + 1
+    return inflight, math.floor(cpus / inflight * 10_000) / 10_000
 
 
 def _row_bytes(src: ParquetSource) -> int:

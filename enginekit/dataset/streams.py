@@ -29,6 +29,9 @@ from enginekit.errors import UsageError
 TOLERANCE = 0.1
 #: The most streams a job runs (a bound on threads and on batches in flight).
 MAX_STREAMS = 64
+#: Seconds between the engine's measurement and the next configuration's (its idle threads'
+#: spinning ends first; as ``enginekit.evaluate.bench.SETTLE_S`` between engines).
+SETTLE_S = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +196,13 @@ def choose_streams(
             for i, (streams, _t, e) in enumerate(configs):
                 if i in error:
                     continue
+                if i:
+                    # The engine as loaded may leave its idle threads spinning after its last
+                    # call (ONNX Runtime's, ~50 ms on one core): measured meanwhile, the
+                    # one-thread streams shared a core with them for half of their 0.1 s
+                    # (benchmarks/dataset.py under load: 0.78x one stream's rows/s, so one
+                    # stream was chosen, while the engine alone ran 1.7x faster in streams).
+                    time.sleep(SETTLE_S)
                 try:
                     r, cpu = rate_and_cpu(e, sample, batch, streams, seconds)
                     measured[i].append(r)

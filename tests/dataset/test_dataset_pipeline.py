@@ -238,3 +238,51 @@ def test_parquet_first_piece_is_one_batch_then_whole_reads(tmp_path):
     step = read_rows(4, spec)
     sizes = [p.rows for p in src.pieces(0, 4)]
     assert sizes[:2] == [4, min(step, 296)] and sum(sizes) == 300 and src.groups_fast == 1
+
+
+def test_threads_are_handed_a_read_and_a_shard_at_a_time_not_a_batch(ekit, tmp_path, monkeypatch):
+    # Each hand-off wakes a thread that takes a core from the engine mid-call: on 2 cores the
+    # per-batch hand-offs preempted the engine's threads ~900 times per 40k rows. The reader
+    # queues all the batches of one read at once (the first read is one batch), the writer
+    # gets whole shards, and the streams take their batches themselves (no dispatcher).
+    from enginekit.dataset import pipeline
+    from enginekit.dataset.batches import BatchQueue
+
+    path = write_parquet(
+        tmp_path / "p.parquet", {"x": tensor_column(cnn_rows(120))}, row_group_size=120
+    )
+    spec = [TensorSpec("x", "float32", ("batch", 3, 16, 16))]
+    step = read_rows(4, spec) // 4  # batches per read
+    reads, shards, writer_wakes = [], [], []
+    put, commit, writer_get = BatchQueue.put, pipeline._commit, pipeline._get
+
+    def spy_put(self, chunk, stop):
+        reads.append(len(chunk))
+        return put(self, chunk, stop)
+
+    def spy_commit(parts, shard, *args):
+        shards.append(len(parts))
+        return commit(parts, shard, *args)
+
+    monkeypatch.setattr(BatchQueue, "put", spy_put)
+    monkeypatch.setattr(pipeline, "_get", lambda q, st: writer_wakes.append(1) or writer_get(q, st))
+    monkeypatch.setattr(pipeline, "_commit", spy_commit)
+    with ek.load(ekit("cnn")) as engine:
+        s = ek.infer_dataset(engine, path, tmp_path / "out", 4, shard_rows=40, streams=2)
+        ref = naive(engine, {"x": cnn_rows(120)}, 4)
+    assert (s.rows, s.shards, s.stages.batches) == (120, 3, 30)
+    assert reads[:2] == [1, min(step, 29)] and sum(reads) == 30
+    assert shards == [10, 10, 10] and len(writer_wakes) == 4  # 3 shards and the end, not 30
+    np.testing.assert_array_equal(read_output(tmp_path / "out")["output"], ref["output"])
+
+
+def test_the_reader_waiting_for_room_is_not_counted_as_reading(ekit, tmp_path):
+    # A fast source ahead of a slow engine: the reader spends the run waiting for room in the
+    # inbox, which must not make reading look like the bottleneck's twin.
+    x = cnn_rows(20)
+    with ek.load(ekit("cnn")) as inner:
+        ek.infer_dataset(inner, [x[:2]], tmp_path / "warm", 2)  # first-use imports: not timed
+        engine = Limited(inner, limit=64, slow=2, slow_runs=10)  # each batch sleeps 0.05 s
+        rows = (x[i : i + 2] for i in range(0, 20, 2))  # one batch a piece: a put each
+        s = ek.infer_dataset(engine, rows, tmp_path / "out", 2, prefetch=1)
+    assert s.stages.batches == 10 and s.stages.read < s.stages.infer / 2

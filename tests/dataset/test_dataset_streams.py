@@ -57,6 +57,7 @@ def test_choice_prefers_more_streams_within_tolerance(ekit, monkeypatch):
     rates = {1: 100.0, 2: 92.0}  # two streams 8% slower: within 10%, chosen
     cpu = {1: 0.01, 2: 0.01 / 0.92}  # CPU-s per row: every core busy in both
     monkeypatch.setattr(mod, "rate_and_cpu", lambda e, s, b, n, sec: (rates[n], cpu[n]))
+    monkeypatch.setattr(mod, "SETTLE_S", 0.0)  # nothing spins: the measurements are fakes
     with ek.load(ekit("cnn")) as engine:
         other = ek.load(ekit("cnn"), threads=1)
         choice, chosen = choose_streams(engine, {"x": cnn_rows(4)}, 4, lambda t: other, available=2)
@@ -79,6 +80,7 @@ def test_choice_compares_rounds_pairwise_not_one_quiet_moment(ekit, monkeypatch)
 
     runs = {1: iter([100.0, 100.0, 140.0, 100.0, 100.0]), 2: iter([100, 95, 100, 95, 100.0])}
     monkeypatch.setattr(mod, "rate_and_cpu", lambda e, s, b, n, sec: (r := next(runs[n]), 1 / r))
+    monkeypatch.setattr(mod, "SETTLE_S", 0.0)
     with ek.load(ekit("cnn")) as engine:
         other = ek.load(ekit("cnn"), threads=1)
         choice, chosen = choose_streams(engine, {"x": cnn_rows(4)}, 4, lambda t: other, available=2)
@@ -86,6 +88,26 @@ def test_choice_compares_rounds_pairwise_not_one_quiet_moment(ekit, monkeypatch)
     assert (choice.streams, chosen) == (2, other)
     assert choice.trials[0].measured == (100.0, 100.0, 140.0, 100.0, 100.0)
     assert choice.trials[0].rows_per_s == 140.0
+
+
+def test_streams_are_measured_after_the_engines_idle_threads_settle(ekit, monkeypatch):
+    # ONNX Runtime's idle threads spin ~50 ms after the engine's last call: measured at once,
+    # one-thread streams shared a core with them for half of their 0.1 s and looked slower
+    # than one stream (0.78x under load) when they ran 1.7x faster.
+    from enginekit.dataset import streams as mod
+
+    events = []
+    monkeypatch.setattr(mod.time, "sleep", lambda s: events.append(("sleep", s)))
+    monkeypatch.setattr(
+        mod, "rate_and_cpu", lambda e, s, b, n, sec: events.append(("measure", n)) or (1.0, 1.0)
+    )
+    with ek.load(ekit("cnn")) as engine:
+        other = ek.load(ekit("cnn"), threads=1)
+        choose_streams(engine, {"x": cnn_rows(4)}, 4, lambda t: other, available=2, rounds=2)
+        other.close()
+    settle = ("sleep", mod.SETTLE_S)
+    assert mod.SETTLE_S >= 0.1
+    assert events == [("measure", 1), settle, ("measure", 2)] * 2
 
 
 def test_resume_reuses_the_streams_and_threads_of_the_first_run(ekit, tmp_path):
