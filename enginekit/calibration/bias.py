@@ -170,7 +170,7 @@ def correct_bias_sequential(
     with graph optimizations off: exactly the arithmetic it states, which is what an int8
     kernel that does not saturate computes.
     """
-    out, graph, src_nodes, src_init, producer, init = qdq_copy(qdq, source)
+    out, graph, src_nodes, _src_init, producer, init = qdq_copy(qdq, source)
     # Q/DQ output tensor -> (int32 bias, its scale, the float model's tensor). A Relu/Clip the
     # quantizer folded into the next Q makes the layer write the activation's name; its values
     # are still the pre-activation ones, the float model's layer output.
