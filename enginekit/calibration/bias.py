@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -144,3 +144,126 @@ def _input_means(
             sums[name] = sums.get(name, 0) + flat.sum(axis=1)
             counts[name] = counts.get(name, 0) + flat.shape[1]
     return {n: sums[n] / counts[n] for n in wanted}
+
+
+#: Rows :func:`correct_bias_sequential` measures means on (one run of the Q/DQ model per level).
+SEQUENTIAL_ROWS = 32
+
+
+def correct_bias_sequential(
+    qdq: onnx.ModelProto,
+    source: onnx.ModelProto,
+    rows: Sequence[Mapping[str, np.ndarray]],
+    max_rows: int = SEQUENTIAL_ROWS,
+) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of ``qdq`` whose int32 biases take off the mean output shift each layer shows
+    *inside the quantized model* on ``rows``, and the layers corrected.
+
+    Where :func:`correct_bias` corrects the shift its own weight rounding causes on float
+    inputs, this one measures it: each layer's pre-activation output, channel by channel, in
+    the Q/DQ model (its inputs already quantized, clipped and shifted by every layer before
+    it) against the float model's, and subtracts the difference from the bias (Nagel et al.
+    2019's empirical bias correction). Layers are corrected level by level: a layer only
+    after every corrected layer upstream of it, one run of the Q/DQ model per level
+    (correcting all at once over-corrects: a layer's shift inherited from upstream is taken
+    off twice; measured on EfficientNet-Lite0, output NMSE 0.009 -> 0.26). The Q/DQ model runs
+    with graph optimizations off: exactly the arithmetic it states, which is what an int8
+    kernel that does not saturate computes.
+    """
+    out, graph, src_nodes, _src_init, producer, init = qdq_copy(qdq, source)
+    # Q/DQ output tensor -> (int32 bias, its scale, the float model's tensor). A Relu/Clip the
+    # quantizer folded into the next Q makes the layer write the activation's name; its values
+    # are still the pre-activation ones, the float model's layer output.
+    layers: dict[str, tuple[onnx.TensorProto, np.ndarray, str]] = {}
+    for node in graph.node:
+        src = src_nodes.get(node.name)
+        if node.op_type not in ("Conv", "Gemm") or src is None or len(node.input) < 3:
+            continue
+        bias_dq = producer.get(node.input[2])
+        if bias_dq is None or bias_dq.op_type != "DequantizeLinear":
+            continue
+        if bias_dq.input[0] not in init or bias_dq.input[1] not in init:
+            continue
+        bias = init[bias_dq.input[0]]
+        if numpy_helper.to_array(bias).dtype != np.int32:
+            continue
+        scale = numpy_helper.to_array(init[bias_dq.input[1]]).astype(np.float64)
+        layers[node.output[0]] = (bias, scale, src.output[0])
+    if not layers or not rows:
+        return out, []
+    sample, count = [], 0
+    for feeds in rows:
+        if count >= max_rows:
+            break
+        sample.append(feeds)
+        count += int(next(iter(feeds.values())).shape[0])
+    # Level of a layer: how many corrected layers lie on the longest path above it.
+    depth: dict[str, int] = {}
+    level: dict[str, int] = {}
+    for node in graph.node:  # ONNX graphs are topologically sorted
+        d = max((depth.get(i, 0) for i in node.input), default=0)
+        for o in node.output:
+            depth[o] = d + 1 if o in layers else d
+            if o in layers:
+                level[o] = d
+    names = list(layers)
+    reference = _channel_means(source, [layers[n][2] for n in names], sample, optimized=True)
+    limits = np.iinfo(np.int32)
+    for k in range(max(level.values()) + 1):
+        todo = [n for n in names if level[n] == k]
+        if not todo:
+            continue
+        got = _channel_means(out, todo, sample, optimized=False)
+        for name in todo:
+            bias, scale, float_name = layers[name]
+            shift = np.round((reference[float_name] - got[name]) / scale).astype(np.int64)
+            values = numpy_helper.to_array(bias).astype(np.int64) + shift
+            bias.CopyFrom(
+                numpy_helper.from_array(
+                    np.clip(values, limits.min, limits.max).astype(np.int32), bias.name
+                )
+            )
+    by_name = {node.output[0]: node.name for node in graph.node if node.output}
+    return out, [by_name[n] for n in names]
+
+
+def _channel_means(
+    model: onnx.ModelProto,
+    names: Sequence[str],
+    rows: Sequence[Mapping[str, np.ndarray]],
+    optimized: bool,
+) -> dict[str, np.ndarray]:
+    """Per-channel (axis 1) means of the named tensors of ``model`` over ``rows``."""
+    model = copy.deepcopy(model)
+    have = {o.name for o in model.graph.output}
+    for name in dict.fromkeys(names):
+        if name not in have:
+            model.graph.output.append(onnx.ValueInfoProto(name=name))
+    order = [o.name for o in model.graph.output]
+    run = _plain_runner(model) if not optimized else None
+    if run is None:
+        from enginekit.calibration.accuracy import ort_runner
+
+        run = ort_runner(model)
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, int] = {}
+    for feeds in rows:
+        values = dict(zip(order, run(feeds)))
+        for name in names:
+            v = np.asarray(values[name], np.float64)
+            flat = np.moveaxis(v, 1, 0).reshape(v.shape[1], -1)
+            sums[name] = sums.get(name, 0) + flat.sum(axis=1)
+            counts[name] = counts.get(name, 0) + flat.shape[1]
+    return {n: sums[n] / counts[n] for n in names}
+
+
+def _plain_runner(model: onnx.ModelProto) -> Any:
+    """ONNX Runtime CPU with graph optimizations off: the Q/DQ arithmetic as stated."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return lambda feeds: session.run(None, dict(feeds))

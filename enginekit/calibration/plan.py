@@ -246,6 +246,7 @@ def _search(
     entry["sum_preserving_rounding"] = "sums" in steps
     entry["gptq_rounding"] = "gptq" in steps
     entry["bias_correction"] = "bias" in steps
+    entry["sequential_bias_correction"] = "seqbias" in steps
     return Quantized(load_model(result.model), table, held, entry)
 
 
