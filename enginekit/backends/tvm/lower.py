@@ -275,6 +275,44 @@ def optimize(
     return graph, fused, barriers
 
 
+def mark_layout_free(mod: Any) -> Any:
+    """Mark each kernel's inputs that every call passes a constant (weights) as
+    ``layout_free_buffers``, the attribute the CPU rule reads before repacking a weight.
+
+    TVM's ``AttachAttrLayoutFreeBuffers`` does the same but copies every kernel it marks under
+    a new name (``fused_conv2d1`` became ``fused_conv2d11``), which the manifest's and the
+    profiler's kernel names would no longer match; this marks the kernels in place, and only
+    where all of a kernel's calls agree.
+    """
+    import tvm
+    from tvm import relax, tirx
+
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    constant: dict[str, list[bool]] = {}
+
+    @relax.expr_functor.visitor
+    class Calls(relax.PyExprVisitor):
+        def visit_call_(self, call: Any) -> None:
+            super().visit_call_(call)
+            if not (call.op.same_as(call_tir) and isinstance(call.args[1], relax.Tuple)):
+                return
+            flags = [isinstance(a, tvm.ir.GenericConst) for a in call.args[1].fields]
+            name = call.args[0].name_hint
+            seen = constant.setdefault(name, flags)
+            constant[name] = [a and b for a, b in zip(seen, flags)]
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            Calls().visit_expr(func)
+    for gv, func in list(mod.functions_items()):
+        flags = constant.get(gv.name_hint)
+        if not isinstance(func, tirx.PrimFunc) or not flags or not any(flags):
+            continue
+        free = [i for i, c in enumerate(flags) if c]
+        mod[gv] = func.with_attr("layout_free_buffers", free)
+    return mod
+
+
 def apply_schedules(
     mod: Any, target: Any, schedule: str, database: Any = None, choices: bool = True
 ) -> tuple[Any, list[str]]:
@@ -283,6 +321,7 @@ def apply_schedules(
     Returns:
         the scheduled module and the names of the kernels the database supplied.
     """
+    import tvm
     from tvm import relax
     from tvm.s_tir import dlight
 
@@ -297,7 +336,17 @@ def apply_schedules(
         if target.kind.name == "cuda":
             mod = dlight.ApplyDefaultSchedule(*gpu_rules())(mod)
         elif schedule == "enginekit":
+            # Kernel parameters bound to constants are marked layout-free: the rule may repack
+            # those weights, in a block of its own that is split out and folded at build time.
+            mod = mark_layout_free(mod)
             mod = dlight.ApplyDefaultSchedule(*cpu_rules(target, choices))(mod)
+            mod = tvm.transform.Sequential(
+                [
+                    relax.transform.SplitLayoutRewritePreproc(),
+                    relax.transform.FoldConstant(),
+                    relax.transform.DeadCodeElimination(),
+                ]
+            )(mod)
         elif schedule == "dlight":
             mod = dlight.ApplyDefaultSchedule(dlight.cpu.GEMV(), dlight.cpu.Reduction())(mod)
     return mod, tuned
@@ -411,7 +460,8 @@ def kernel_summary(mod: Any, blocks: bool = True) -> list[dict[str, Any]]:
         if not isinstance(func, tirx.PrimFunc):
             continue
         entry: dict[str, Any] = {
-            "name": gv.name_hint,
+            # A kernel whose weights the schedule repacked is renamed ``<name>_prepacked``.
+            "name": gv.name_hint.removesuffix("_prepacked"),
             "scheduled": bool(func.attrs and func.attrs.get("tirx.is_scheduled", False)),
         }
         if blocks:
