@@ -313,6 +313,58 @@ def mark_layout_free(mod: Any) -> Any:
     return mod
 
 
+def split_repacking() -> Any:
+    """TVM's ``SplitLayoutRewritePreproc`` on the kernels whose schedule repacked a weight:
+    each repacking block becomes a kernel of its own, called on the weight before the
+    kernel (``FoldConstant`` then runs it at build time).
+
+    The other kernels are kept out of TVM's pass, which fails on a kernel without blocks
+    (``scatter_elements``: "There should be a compute block if there is only one subtree
+    under the root"), and lose their ``layout_free_buffers`` mark.
+    """
+    import tvm
+    from tvm import relax, tirx
+
+    from enginekit.backends.tvm.schedule import PREPACK
+
+    @tvm.transform.module_pass(opt_level=0, name="EnginekitSplitRepacking")
+    def split(mod: Any, _ctx: Any) -> Any:
+        packed, others = tvm.IRModule(attrs=mod.attrs), {}
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function) or (
+                isinstance(func, tirx.PrimFunc) and _repacks(func, PREPACK)
+            ):
+                packed[gv] = func
+            elif isinstance(func, tirx.PrimFunc) and func.attrs is not None:
+                others[gv] = func.without_attr("layout_free_buffers")
+            else:
+                others[gv] = func
+        if not any(isinstance(f, tirx.PrimFunc) for f in packed.functions.values()):
+            return mod
+        out = relax.transform.SplitLayoutRewritePreproc()(packed)
+        for gv, func in others.items():
+            out[gv] = func
+        return out
+
+    return split
+
+
+def _repacks(func: Any, key: str) -> bool:
+    from tvm import s_tir
+
+    try:
+        sch = s_tir.Schedule(func)
+        stack = [sch.get_sblock("root")]
+    except Exception:  # no root block (hand-written TIR): nothing was repacked
+        return False
+    while stack:
+        for child in sch.get_child_blocks(stack.pop()):
+            if key in sch.get(child).annotations:
+                return True
+            stack.append(child)
+    return False
+
+
 def apply_schedules(
     mod: Any, target: Any, schedule: str, database: Any = None, choices: bool = True
 ) -> tuple[Any, list[str]]:
@@ -342,7 +394,7 @@ def apply_schedules(
             mod = dlight.ApplyDefaultSchedule(*cpu_rules(target, choices))(mod)
             mod = tvm.transform.Sequential(
                 [
-                    relax.transform.SplitLayoutRewritePreproc(),
+                    split_repacking(),
                     relax.transform.FoldConstant(),
                     relax.transform.DeadCodeElimination(),
                 ]
