@@ -275,6 +275,96 @@ def optimize(
     return graph, fused, barriers
 
 
+def mark_layout_free(mod: Any) -> Any:
+    """Mark each kernel's inputs that every call passes a constant (weights) as
+    ``layout_free_buffers``, the attribute the CPU rule reads before repacking a weight.
+
+    TVM's ``AttachAttrLayoutFreeBuffers`` does the same but copies every kernel it marks under
+    a new name (``fused_conv2d1`` became ``fused_conv2d11``), which the manifest's and the
+    profiler's kernel names would no longer match; this marks the kernels in place, and only
+    where all of a kernel's calls agree.
+    """
+    import tvm
+    from tvm import relax, tirx
+
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    constant: dict[str, list[bool]] = {}
+
+    @relax.expr_functor.visitor
+    class Calls(relax.PyExprVisitor):
+        def visit_call_(self, call: Any) -> None:
+            super().visit_call_(call)
+            if not (call.op.same_as(call_tir) and isinstance(call.args[1], relax.Tuple)):
+                return
+            flags = [isinstance(a, tvm.ir.GenericConst) for a in call.args[1].fields]
+            name = call.args[0].name_hint
+            seen = constant.setdefault(name, flags)
+            constant[name] = [a and b for a, b in zip(seen, flags)]
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            Calls().visit_expr(func)
+    for gv, func in list(mod.functions_items()):
+        flags = constant.get(gv.name_hint)
+        if not isinstance(func, tirx.PrimFunc) or not flags or not any(flags):
+            continue
+        free = [i for i, c in enumerate(flags) if c]
+        mod[gv] = func.with_attr("layout_free_buffers", free)
+    return mod
+
+
+def split_repacking() -> Any:
+    """TVM's ``SplitLayoutRewritePreproc`` on the kernels whose schedule repacked a weight:
+    each repacking block becomes a kernel of its own, called on the weight before the
+    kernel (``FoldConstant`` then runs it at build time).
+
+    The other kernels are kept out of TVM's pass, which fails on a kernel without blocks
+    (``scatter_elements``: "There should be a compute block if there is only one subtree
+    under the root"), and lose their ``layout_free_buffers`` mark.
+    """
+    import tvm
+    from tvm import relax, tirx
+
+    from enginekit.backends.tvm.schedule import PREPACK
+
+    @tvm.transform.module_pass(opt_level=0, name="EnginekitSplitRepacking")
+    def split(mod: Any, _ctx: Any) -> Any:
+        packed, others = tvm.IRModule(attrs=mod.attrs), {}
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function) or (
+                isinstance(func, tirx.PrimFunc) and _repacks(func, PREPACK)
+            ):
+                packed[gv] = func
+            elif isinstance(func, tirx.PrimFunc) and func.attrs is not None:
+                others[gv] = func.without_attr("layout_free_buffers")
+            else:
+                others[gv] = func
+        if not any(isinstance(f, tirx.PrimFunc) for f in packed.functions.values()):
+            return mod
+        out = relax.transform.SplitLayoutRewritePreproc()(packed)
+        for gv, func in others.items():
+            out[gv] = func
+        return out
+
+    return split
+
+
+def _repacks(func: Any, key: str) -> bool:
+    from tvm import s_tir
+
+    try:
+        sch = s_tir.Schedule(func)
+        stack = [sch.get_sblock("root")]
+    except Exception:  # no root block (hand-written TIR): nothing was repacked
+        return False
+    while stack:
+        for child in sch.get_child_blocks(stack.pop()):
+            if key in sch.get(child).annotations:
+                return True
+            stack.append(child)
+    return False
+
+
 def apply_schedules(
     mod: Any, target: Any, schedule: str, database: Any = None, choices: bool = True
 ) -> tuple[Any, list[str]]:
@@ -283,6 +373,7 @@ def apply_schedules(
     Returns:
         the scheduled module and the names of the kernels the database supplied.
     """
+    import tvm
     from tvm import relax
     from tvm.s_tir import dlight
 
@@ -297,7 +388,17 @@ def apply_schedules(
         if target.kind.name == "cuda":
             mod = dlight.ApplyDefaultSchedule(*gpu_rules())(mod)
         elif schedule == "enginekit":
+            # Kernel parameters bound to constants are marked layout-free: the rule may repack
+            # those weights, in a block of its own that is split out and folded at build time.
+            mod = mark_layout_free(mod)
             mod = dlight.ApplyDefaultSchedule(*cpu_rules(target, choices))(mod)
+            mod = tvm.transform.Sequential(
+                [
+                    split_repacking(),
+                    relax.transform.FoldConstant(),
+                    relax.transform.DeadCodeElimination(),
+                ]
+            )(mod)
         elif schedule == "dlight":
             mod = dlight.ApplyDefaultSchedule(dlight.cpu.GEMV(), dlight.cpu.Reduction())(mod)
     return mod, tuned
@@ -411,7 +512,8 @@ def kernel_summary(mod: Any, blocks: bool = True) -> list[dict[str, Any]]:
         if not isinstance(func, tirx.PrimFunc):
             continue
         entry: dict[str, Any] = {
-            "name": gv.name_hint,
+            # A kernel whose weights the schedule repacked is renamed ``<name>_prepacked``.
+            "name": gv.name_hint.removesuffix("_prepacked"),
             "scheduled": bool(func.attrs and func.attrs.get("tirx.is_scheduled", False)),
         }
         if blocks:

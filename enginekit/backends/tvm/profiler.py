@@ -34,6 +34,9 @@ def kernel_flops(symbol: str, shapes: Sequence[tuple[int, ...]]) -> float | None
     if len(shapes) < 3:
         return None
     out, first, weight = shapes[-1], shapes[0], shapes[1]
+    if "conv2d" in symbol and len(weight) == 5:
+        # Repacked by the schedule (HWIO in tiles of output channels: O/t, H, W, I, t).
+        weight = (*weight[1:4], weight[0] * weight[4])
     if "conv2d" in symbol and len(weight) == 4 and len(out) == 4:
         # Output channels sit at out[1] (NCHW) or out[-1] (NHWC); the weight holds them at its
         # first (OIHW, OHWI) or last (HWIO) dim: divide them out to get the per-output MACs.
