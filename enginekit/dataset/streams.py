@@ -29,9 +29,13 @@ from enginekit.errors import UsageError
 TOLERANCE = 0.1
 #: The most streams a job runs (a bound on threads and on batches in flight).
 MAX_STREAMS = 64
-#: Seconds between the engine's measurement and the next configuration's (its idle threads'
-#: spinning ends first; as ``enginekit.evaluate.bench.SETTLE_S`` between engines).
+#: The longest wait between the engine's measurement and the next configuration's, for its
+#: idle threads to stop spinning (as ``enginekit.evaluate.bench.SETTLE_S`` between engines).
 SETTLE_S = 0.1
+#: The wait ends at the first :data:`SETTLE_WINDOW_S` in which the process used less than
+#: :data:`SETTLE_BUSY` of one core (ONNX Runtime's spinning thread: 80-120%, for 40-50 ms).
+SETTLE_WINDOW_S = 0.01
+SETTLE_BUSY = 0.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,21 @@ def check_streams(streams: int | str) -> None:
         raise UsageError(
             f"streams must be 'auto' or an integer in 1..{MAX_STREAMS}, got {streams!r}"
         )
+
+
+def settle(limit: float | None = None) -> float:
+    """Wait until no thread of this process is spinning (a window of :data:`SETTLE_WINDOW_S`
+    with less than :data:`SETTLE_BUSY` of a core used), at most ``limit`` seconds (default
+    :data:`SETTLE_S`); returns the seconds waited. An engine whose threads do not spin costs
+    one window, not the whole limit (every ``streams="auto"`` job waits once per round)."""
+    limit = SETTLE_S if limit is None else limit
+    start = time.perf_counter()
+    for _ in range(max(1, round(limit / SETTLE_WINDOW_S))):
+        cpu, t = time.process_time(), time.perf_counter()
+        time.sleep(SETTLE_WINDOW_S)
+        if time.process_time() - cpu < SETTLE_BUSY * (time.perf_counter() - t):
+            break
+    return time.perf_counter() - start
 
 
 def threads_per_stream(streams: int, available: int | None = None) -> int:
@@ -202,7 +221,7 @@ def choose_streams(
                     # one-thread streams shared a core with them for half of their 0.1 s
                     # (benchmarks/dataset.py under load: 0.78x one stream's rows/s, so one
                     # stream was chosen, while the engine alone ran 1.7x faster in streams).
-                    time.sleep(SETTLE_S)
+                    settle()
                 try:
                     r, cpu = rate_and_cpu(e, sample, batch, streams, seconds)
                     measured[i].append(r)

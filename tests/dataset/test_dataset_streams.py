@@ -97,17 +97,39 @@ def test_streams_are_measured_after_the_engines_idle_threads_settle(ekit, monkey
     from enginekit.dataset import streams as mod
 
     events = []
-    monkeypatch.setattr(mod.time, "sleep", lambda s: events.append(("sleep", s)))
-    monkeypatch.setattr(
-        mod, "rate_and_cpu", lambda e, s, b, n, sec: events.append(("measure", n)) or (1.0, 1.0)
-    )
+    monkeypatch.setattr(mod, "settle", lambda: events.append("settle") or 0.0)
+    monkeypatch.setattr(mod, "rate_and_cpu", lambda e, s, b, n, sec: events.append(n) or (1.0, 1.0))
     with ek.load(ekit("cnn")) as engine:
         other = ek.load(ekit("cnn"), threads=1)
         choose_streams(engine, {"x": cnn_rows(4)}, 4, lambda t: other, available=2, rounds=2)
         other.close()
-    settle = ("sleep", mod.SETTLE_S)
-    assert mod.SETTLE_S >= 0.1
-    assert events == [("measure", 1), settle, ("measure", 2)] * 2
+    assert events == [1, "settle", 2] * 2
+
+
+def test_settle_waits_while_a_thread_spins_and_one_window_without(monkeypatch):
+    # A fake clock: each window, the process used a whole core while a runtime's idle thread
+    # spun (``spinning`` windows), then none.
+    from enginekit.dataset import streams as mod
+
+    class Clock:
+        def __init__(self, spinning: int) -> None:
+            self.wall = self.cpu = 0.0
+            self.spinning = spinning
+
+        def perf_counter(self) -> float:
+            return self.wall
+
+        def process_time(self) -> float:
+            return self.cpu
+
+        def sleep(self, s: float) -> None:
+            self.wall += s
+            self.cpu += s if self.spinning > 0 else 0.0
+            self.spinning -= 1
+
+    for spinning, waited in [(5, 6), (0, 1), (100, 10)]:  # 10 windows: the 0.1 s limit
+        monkeypatch.setattr(mod, "time", Clock(spinning))
+        assert round(mod.settle() / mod.SETTLE_WINDOW_S) == waited
 
 
 def test_resume_reuses_the_streams_and_threads_of_the_first_run(ekit, tmp_path):
