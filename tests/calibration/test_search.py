@@ -291,7 +291,9 @@ def test_bias_correction_and_sensitivity_are_fitted_on_calibration_rows_never_he
     from enginekit.calibration import bias, plan
     from enginekit.calibration import search as search_module
 
-    seen: dict[str, list] = {"bias": [], "sensitivity": [], "scored": [], "gptq": []}
+    seen: dict[str, list] = {
+        "bias": [], "sensitivity": [], "scored": [], "gptq": [], "sequential": []
+    }  # fmt: skip
 
     def spy(name, real, index):
         def wrapped(*args, **kwargs):
@@ -302,6 +304,11 @@ def test_bias_correction_and_sensitivity_are_fitted_on_calibration_rows_never_he
 
     monkeypatch.setattr(search_module, "correct_bias", spy("bias", bias.correct_bias, 2))
     monkeypatch.setattr(search_module, "gptq_round", spy("gptq", search_module.gptq_round, 2))
+    monkeypatch.setattr(
+        search_module,
+        "correct_bias_sequential",
+        spy("sequential", bias.correct_bias_sequential, 2),
+    )
     monkeypatch.setattr(
         search_module, "_sensitivity", spy("sensitivity", search_module._sensitivity, 3)
     )
@@ -325,6 +332,8 @@ def test_bias_correction_and_sensitivity_are_fitted_on_calibration_rows_never_he
     fitted_gptq = samples(seen["gptq"])
     assert fitted_gptq and not held & fitted_gptq, "GPTQ rounding saw held-out rows"
     assert not held & fitted_bias, "bias correction saw held-out rows"
+    fitted_sequential = samples(seen["sequential"])
+    assert fitted_sequential and not held & fitted_sequential, "sequential bias saw held-out rows"
     assert not held & fitted_sensitivity, "the sensitivity ranking saw held-out rows"
     assert fitted_bias <= every - held and fitted_sensitivity <= every - held
 
