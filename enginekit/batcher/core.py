@@ -168,27 +168,19 @@ class Batcher(HelperThread, StandbyThreads):
             for rows, seconds in run_warmup(engine, self.max_batch_size):
                 self._cost.observe(rows, seconds)
             self._standby_threshold()
-        self._threads = (
-            [
-                threading.Thread(
-                    target=self._work,
-                    args=(False, i),
-                    name=f"batcher-{name}-worker{i}",
-                    daemon=True,
-                )
-                for i in range(self._workers)
-            ]
-            + [
-                threading.Thread(
-                    target=self._work,
-                    args=(True, self._workers + i),
-                    name=f"batcher-{name}-standby{i}",
-                    daemon=True,
-                )
-                for i in range(standby)
-            ]
-            + [threading.Thread(target=self._help, name=f"batcher-{name}-helper", daemon=True)]
-        )
+        # Engine threads (workers, then standby ones: slot k's due time is _due[k]), the helper.
+        kinds = [("worker", i) for i in range(self._workers)] + [
+            ("standby", i) for i in range(standby)
+        ]
+        self._threads = [
+            threading.Thread(
+                target=self._work,
+                args=(kind == "standby", k),
+                name=f"batcher-{name}-{kind}{i}",
+                daemon=True,
+            )
+            for k, (kind, i) in enumerate(kinds)
+        ] + [threading.Thread(target=self._help, name=f"batcher-{name}-helper", daemon=True)]
         for t in self._threads:
             t.start()
 
