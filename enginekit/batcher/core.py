@@ -146,6 +146,10 @@ class Batcher(HelperThread, StandbyThreads):
         self._done: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._workers = int(workers)
         self._running = self._workers + standby
+        # Per engine thread: when its running call is expected to end (inf: not in the engine).
+        # Written by that thread, read by the helper without the lock (a hint: see
+        # HelperThread._yield_to_engine).
+        self._due = [math.inf] * self._running
         self._idle = 0  # workers waiting on the queue
         # Standby threads wait on their own Condition (same lock): submit() wakes one only when
         # no worker is idle and arrivals are sparse; _wake_newest() never picks one.
@@ -164,19 +168,19 @@ class Batcher(HelperThread, StandbyThreads):
             for rows, seconds in run_warmup(engine, self.max_batch_size):
                 self._cost.observe(rows, seconds)
             self._standby_threshold()
-        self._threads = (
-            [
-                threading.Thread(target=self._work, name=f"batcher-{name}-worker{i}", daemon=True)
-                for i in range(self._workers)
-            ]
-            + [
-                threading.Thread(
-                    target=self._work, args=(True,), name=f"batcher-{name}-standby{i}", daemon=True
-                )
-                for i in range(standby)
-            ]
-            + [threading.Thread(target=self._help, name=f"batcher-{name}-helper", daemon=True)]
-        )
+        # Engine threads (workers, then standby ones: slot k's due time is _due[k]), the helper.
+        kinds = [("worker", i) for i in range(self._workers)] + [
+            ("standby", i) for i in range(standby)
+        ]
+        self._threads = [
+            threading.Thread(
+                target=self._work,
+                args=(kind == "standby", k),
+                name=f"batcher-{name}-{kind}{i}",
+                daemon=True,
+            )
+            for k, (kind, i) in enumerate(kinds)
+        ] + [threading.Thread(target=self._help, name=f"batcher-{name}-helper", daemon=True)]
         for t in self._threads:
             t.start()
 
@@ -349,12 +353,12 @@ class Batcher(HelperThread, StandbyThreads):
 
     # -- the engine threads ----------------------------------------------------------------------
 
-    def _work(self, standby: bool = False) -> None:
+    def _work(self, standby: bool = False, slot: int = 0) -> None:
         """An engine thread: take the next batch (one the helper prepared, or a ready one from
         the queue, waiting as long as there is none), run it, hand the outputs to the helper,
         which resolves the futures while this one runs the next batch. Returns once closing
         and nothing is left to run (a standby thread: once closing)."""
-        engine, lock, done = self.engine, self._lock, self._done
+        engine, lock, done, due, cost = self.engine, self._lock, self._done, self._due, self._cost
         give_back = False  # the last batch's collation arrays go back to the pool
         buffers: dict[Any, np.ndarray] = {}
         while True:
@@ -378,16 +382,19 @@ class Batcher(HelperThread, StandbyThreads):
                 give_back = False
                 continue
             start = time.perf_counter()
+            due[slot] = start + cost.predict(rows)
             try:
                 if isinstance(feeds, BaseException):
                     raise feeds
                 outputs: Any = engine.infer(feeds)
+                due[slot] = math.inf  # out of the engine, holding the interpreter lock again
                 if feeds is not live[0].feeds:
                     outputs = self._layout.detach(outputs, buffers)
                 ok = True
             except BaseException as exc:  # handed to the batch's futures
                 outputs, ok = exc, False
                 log.warning("batcher %r: a batch of %d rows failed: %r", self.name, rows, exc)
+            due[slot] = math.inf
             elapsed = time.perf_counter() - start
             # Reads without the lock: a hint is enough here. A few futures cost less to resolve
             # here than waking the helper does (a thread switch, and the interpreter lock

@@ -22,6 +22,10 @@ from enginekit.batcher.queue import WaitQueue
 from enginekit.batcher.request import Key, Layout, Request, fail_expired
 from enginekit.batcher.slot import resolve_all, start_all
 
+# How long the helper sleeps to hand the interpreter lock to an engine thread that is most
+# likely waiting for it (see HelperThread._yield_to_engine).
+HANDOFF_S = 50e-6
+
 # A collated batch: live requests, feeds (or the error collating them), rows, its arrays.
 Prepared = tuple[list[Request], "dict[str, np.ndarray] | BaseException", int, dict[Any, np.ndarray]]
 
@@ -43,6 +47,7 @@ class HelperThread:
     _prepared: Prepared | None
     _preparing: bool
     _buffer_sets: list[dict[Any, np.ndarray]]
+    _due: list[float]  # per engine thread: when its running call is expected to end
 
     def _ready(self, now: float) -> tuple[list[Request] | None, float, dict[Key, int]]:
         raise NotImplementedError  # Batcher's: which requests to send now
@@ -110,8 +115,24 @@ class HelperThread:
                 continue
             if item is None:
                 return
+            self._yield_to_engine()
             self._finish(item)
+            self._yield_to_engine()
             self._prepare()
+
+    def _yield_to_engine(self) -> None:
+        """Sleep briefly if an engine call has run past its expected end: its thread is then
+        most likely waiting for the interpreter lock that this one holds, and gets it only when
+        this thread blocks — a release that this thread takes back at once (as numpy's copies
+        and ``time.sleep(0)`` do) wakes the waiter only to beat it to the lock, and restarts
+        its 5 ms wait before it may ask for a switch. At most once per engine call."""
+        due = self._due
+        now = time.perf_counter()
+        for i, at in enumerate(due):
+            if at <= now:
+                due[i] = math.inf
+                time.sleep(HANDOFF_S)
+                return
 
     def _finish(self, item: tuple[Any, ...], buffers: dict[Any, np.ndarray] | None = None) -> None:
         """Act on one message for the helper: a finished batch (split, account, count,

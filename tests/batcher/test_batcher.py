@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import threading
 import time
 
@@ -332,3 +333,35 @@ def test_an_engine_returning_too_few_rows_fails_its_batch_and_leaves_no_future_h
             with pytest.raises(ek.BatcherError, match="output 'y' has 3 rows for a batch of 4"):
                 f.result(timeout=10)
         assert b.stats()["failed"] == 4
+
+
+class Watched(Split):
+    """Records, from inside each call, when the batcher expects its engine thread back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batcher: ek.Batcher | None = None
+        self.seen: list[float] = []
+
+    def _run(self, feeds: dict) -> dict:
+        assert self.batcher is not None
+        self.seen.append(min(self.batcher._due))
+        return super()._run(feeds)
+
+
+def test_engine_threads_say_when_their_call_should_end_and_the_helper_yields_once_past_it():
+    engine = Watched()
+    with ek.Batcher(engine, max_batch_size=4, max_delay_ms=5_000, adaptive=False) as batcher:
+        engine.batcher = batcher
+        for f in [batcher.submit(row) for row in np.ones((8, 3), np.float32)]:
+            f.result(timeout=10)
+        assert len(engine.seen) == 2 and all(math.isfinite(t) for t in engine.seen)
+        assert batcher._due == [math.inf] * len(batcher._due)  # nobody in the engine
+        # A call past its expected end: the helper hands the interpreter lock over once.
+        batcher._due[0] = time.perf_counter() - 1.0
+        batcher._yield_to_engine()
+        assert batcher._due[0] == math.inf
+        batcher._due[0] = later = time.perf_counter() + 60.0  # not yet: left alone
+        batcher._yield_to_engine()
+        assert batcher._due[0] == later
+        batcher._due[0] = math.inf
