@@ -3,6 +3,8 @@ the engine's profiles and the memory budget."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from dataset_helpers import cnn_rows, naive, read_output, tensor_column, write_parquet
@@ -153,11 +155,17 @@ def test_parquet_reads_are_whole_batches_of_about_the_read_budget():
 class Limited(ek.Engine):
     """A real engine behind a device memory limit: batches above ``limit`` rows fail with the
     allocation error a GPU gives (this host has no GPU to run out of); ``slow`` batch sizes
-    sleep on their first ``slow_runs`` calls, as a burst of load from elsewhere would."""
+    sleep on their first ``slow_runs`` calls, as a burst of load from elsewhere would. ``pace``
+    seconds of sleep per call make rows/s grow with the batch by construction: the tiny CNN's
+    own times are noise-sized, and under load a larger batch could measure slower and stop the
+    search before the sizes a test is about."""
 
-    def __init__(self, inner: ek.Engine, limit: int, slow: int = 0, slow_runs: int = 0) -> None:
+    def __init__(
+        self, inner: ek.Engine, limit: int, slow: int = 0, slow_runs: int = 0, pace: float = 0.0
+    ) -> None:
         super().__init__(inner.inputs, inner.outputs, inner.profiles, inner.manifest)
         self.inner, self.limit, self.slow, self.slow_runs = inner, limit, slow, slow_runs
+        self.pace = pace
         self.calls: list[int] = []
 
     def _run(self, feeds):
@@ -166,15 +174,15 @@ class Limited(ek.Engine):
         if n > self.limit:
             raise RuntimeError(f"CUDA out of memory. Tried to allocate {n} MiB")
         if n == self.slow and self.calls.count(n) <= self.slow_runs:
-            import time
-
             time.sleep(0.05)
+        if self.pace:
+            time.sleep(self.pace)
         return self.inner.infer(feeds)
 
 
 def test_batch_search_stops_at_the_memory_limit_and_records_it(ekit):
     with ek.load(ekit("cnn")) as inner:
-        engine = Limited(inner, limit=4)
+        engine = Limited(inner, limit=4, pace=0.005)
         choice = choose_batch_size(engine, {"x": cnn_rows(8)}, seconds=0.04)
     assert [t.batch for t in choice.trials] == [1, 2, 4, 8]
     assert choice.oom_retries == 1 and choice.batch_size <= 4
@@ -187,7 +195,7 @@ def test_batch_search_does_not_stop_on_one_slowed_run(ekit):
     # Batch 2's first short runs are slowed far below batch 1 (as by a burst of load): the
     # first pass measures it again before it stops, and the search still reaches the top.
     with ek.load(ekit("cnn")) as inner:
-        engine = Limited(inner, limit=8, slow=2, slow_runs=3)
+        engine = Limited(inner, limit=8, slow=2, slow_runs=3, pace=0.005)
         choice = choose_batch_size(engine, {"x": cnn_rows(8)}, seconds=0.04)
     assert [t.batch for t in choice.trials] == [1, 2, 4, 8]
     two = choice.trials[1]
