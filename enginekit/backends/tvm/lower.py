@@ -304,6 +304,9 @@ def mark_layout_free(mod: Any) -> Any:
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
             Calls().visit_expr(func)
+    # A module of its own: the caller's (kept for a retry, or a later specialization) stays
+    # unmarked, so its kernels still match a tuning database's by structure.
+    mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs, global_infos=mod.global_infos)
     for gv, func in list(mod.functions_items()):
         flags = constant.get(gv.name_hint)
         if not isinstance(func, tirx.PrimFunc) or not flags or not any(flags):
