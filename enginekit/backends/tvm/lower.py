@@ -304,6 +304,9 @@ def mark_layout_free(mod: Any) -> Any:
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
             Calls().visit_expr(func)
+    # A module of its own: the caller's (kept for a retry, or a later specialization) stays
+    # unmarked, so its kernels still match a tuning database's by structure.
+    mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs, global_infos=mod.global_infos)
     for gv, func in list(mod.functions_items()):
         flags = constant.get(gv.name_hint)
         if not isinstance(func, tirx.PrimFunc) or not flags or not any(flags):
@@ -347,6 +350,47 @@ def split_repacking() -> Any:
         return out
 
     return split
+
+
+def fold_repacking(mod: Any) -> Any:
+    """Compute each weight repacking that :func:`split_repacking` left as a call on a constant
+    (``<kernel>_weight_prepack``) with numpy: ``[..., N]`` -> ``[N / t, ..., t]``, ``t`` the
+    packed tile's last dim. ``FoldConstant`` would compile each repacking kernel with LLVM
+    first (ResNet-50: ~50 of them, tens of seconds of build). A call whose shapes are not
+    that layout is left to ``FoldConstant``."""
+    import numpy as np
+    import tvm
+    from tvm import relax
+
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+
+    @relax.expr_functor.mutator
+    class Fold(relax.PyExprMutator):
+        def visit_call_(self, call: Any) -> Any:
+            call = super().visit_call_(call)
+            if not (
+                call.op.same_as(call_tir)
+                and call.args[0].name_hint.endswith("_weight_prepack")
+                and isinstance(call.args[1], relax.Tuple)
+                and len(call.args[1].fields) == 1
+                and isinstance(call.args[1].fields[0], tvm.ir.GenericConst)
+            ):
+                return call
+            weight = call.args[1].fields[0].value.numpy()
+            shape = tuple(int(d) for d in call.ty.shape)
+            tile = shape[-1]
+            if weight.ndim < 2 or weight.shape[-1] % tile:
+                return call
+            tiles = weight.reshape(*weight.shape[:-1], weight.shape[-1] // tile, tile)
+            packed = np.ascontiguousarray(np.moveaxis(tiles, -2, 0))
+            if packed.shape != shape:
+                return call
+            return relax.const(packed, str(weight.dtype))
+
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = Fold().visit_expr(func)
+    return mod
 
 
 def _repacks(func: Any, key: str) -> bool:
@@ -395,6 +439,9 @@ def apply_schedules(
             mod = tvm.transform.Sequential(
                 [
                     split_repacking(),
+                    tvm.transform.module_pass(
+                        lambda m, _ctx: fold_repacking(m), opt_level=0, name="FoldRepacking"
+                    ),
                     relax.transform.FoldConstant(),
                     relax.transform.DeadCodeElimination(),
                 ]
