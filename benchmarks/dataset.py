@@ -35,8 +35,8 @@ each: ``--ray`` runs Ray tasks, whose processes a driver's later jobs reuse warm
 user's cluster would already be running) and its start time is printed. (b) is rerun on the
 same dataset, alternating with (d). The breakdown: time to the first result (actor start, first
 read), the rate with the fixed cost taken out, and the CPU seconds of each job across all its
-processes (the driver, Ray's own, the workers: one task per CPU at a time and one more, each
-with a one-thread engine and its reads fused in), and the CPU a new worker process spends on its
+processes (the driver, Ray's own, the workers: one task per CPU at a time, each with a
+one-thread engine and its reads fused in), and the CPU a new worker process spends on its
 imports and the artifact before its first block.
 
 Reading alone is measured too: the Parquet dataset read through ``ParquetSource`` (the
