@@ -334,15 +334,16 @@ def ray_batches(
         most = BLOCK_BYTES // max(1, _row_bytes(src))
         left = (src.rows or 0) - start
         block = max(size, min(left // (4 * cpus), most))
+        # A whole number of rounds of one block per CPU, of equal rows: with 9 blocks on 2
+        # CPUs (100k rows of the demo CNN) the last ran alone, one CPU idle for a ninth of
+        # the rows.
+        count = -(-max(1, -(-left // block)) // cpus) * cpus
         # One task more than the CPUs in flight, each reserving an equal share of them: Ray
         # Data's loop notices a finished task only when its 0.1 s wait on all of them times
         # out, and with one task per CPU that CPU sat idle until then (0.10-0.19 s per task in
-        # Ray's timeline). The extra task keeps every CPU busy meanwhile.
+        # Ray's timeline; ~12% of a 100k-row job's CPU on 2 CPUs). The extra task keeps every
+        # CPU busy meanwhile.
         inflight, share = tasks_in_flight(cpus)
-        # A whole number of rounds of one block per task in flight, of equal rows: with 9
-        # blocks on 2 CPUs (100k rows of the demo CNN, one task per CPU) the last ran alone,
-        # one CPU idle for a ninth of the rows.
-        count = -(-max(1, -(-left // block)) // inflight) * inflight
         mapped = map_engine(
             read_dataset(src, start, size, share, concurrency=inflight, blocks=count), artifact,
             batch_size=None,
