@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -322,7 +321,7 @@ def ray_batches(
     try:
         ctx.execution_options.preserve_order = True
         ctx.op_resource_reservation_enabled = False
-        # One task per CPU of the cluster at a time (and one more, below), each running a
+        # One task per CPU of the cluster at a time, each holding one CPU and running a
         # one-thread engine; each reads its own rows (the read is fused into the task: the
         # inputs never pass through the object store) and runs them as engine batches of the
         # local run. Reading and inference overlap across tasks instead of inside one. Tasks,
@@ -338,17 +337,11 @@ def ray_batches(
         # CPUs (100k rows of the demo CNN) the last ran alone, one CPU idle for a ninth of
         # the rows.
         count = -(-max(1, -(-left // block)) // cpus) * cpus
-        # One task more than the CPUs in flight, each reserving an equal share of them: Ray
-        # Data's loop notices a finished task only when its 0.1 s wait on all of them times
-        # out, and with one task per CPU that CPU sat idle until then (0.10-0.19 s per task in
-        # Ray's timeline; ~12% of a 100k-row job's CPU on 2 CPUs). The extra task keeps every
-        # CPU busy meanwhile.
-        inflight, share = tasks_in_flight(cpus)
         mapped = map_engine(
-            read_dataset(src, start, size, share, concurrency=inflight, blocks=count), artifact,
+            read_dataset(src, start, size, concurrency=cpus, blocks=count), artifact,
             batch_size=None,
             batch_format="pyarrow", columns=src.mapping, engine_batch_size=size,
-            concurrency=inflight, num_cpus=share, compute="tasks",
+            concurrency=cpus, num_cpus=1, compute="tasks",
         )  # fmt: skip
         names = src.keep or []
 
@@ -376,13 +369,6 @@ def ray_batches(
 #: loaded host): blocks of 4096 rows 8,600-10,100 rows/s and 9.4-11.1 CPU-s; of 11-12.5k rows
 #: (this cap: 10.9k, rounded up to a row group's end) 9,600-12,600 and 7.5-9.6.
 BLOCK_BYTES = 128 << 20
-
-
-def tasks_in_flight(cpus: int) -> tuple[int, float]:
-    """--ray's tasks at once on ``cpus`` CPUs and the CPUs each reserves: one more than the
-    CPUs, sharing them (rounded down to Ray's 0.0001 of a CPU, or the last one never fits)."""
-    inflight = cpus + 1
-    return inflight, math.floor(cpus / inflight * 10_000) / 10_000
 
 
 def _row_bytes(src: ParquetSource) -> int:

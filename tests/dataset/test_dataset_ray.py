@@ -152,44 +152,6 @@ def test_reads_are_fused_into_the_engine_actors_or_tasks(cluster, ekit, parquet,
     assert mapped.count() == 80  # from row 40 on
 
 
-def test_ray_jobs_keep_one_task_more_than_the_cpus_in_flight(cluster, ekit, parquet, monkeypatch):
-    # Ray Data notices a finished task only when its 0.1 s wait on all of them times out; with
-    # one task per CPU that CPU idled meanwhile (0.10-0.19 s per task). One more task in flight,
-    # each reserving an equal share of the CPUs (the reads' share equal to the engine tasks',
-    # so that Ray Data still fuses them), keeps every CPU busy.
-    from enginekit.dataset import ray as mod
-    from enginekit.dataset.resolve import open_source
-
-    assert mod.tasks_in_flight(2) == (3, 0.6666) and mod.tasks_in_flight(1) == (2, 0.5)
-    assert all(
-        n * share <= cpus for cpus in range(1, 65) for n, share in [mod.tasks_in_flight(cpus)]
-    )
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_map(ds, artifact, **kwargs):
-        seen["map"] = kwargs
-        raise Stop
-
-    real_read = mod.read_dataset
-    monkeypatch.setattr(
-        mod,
-        "read_dataset",
-        lambda *a, **kw: seen.setdefault("read", (a, kw)) and real_read(*a, **kw),
-    )
-    monkeypatch.setattr(mod, "map_engine", fake_map)
-    artifact = ekit("cnn")
-    with ek.load(artifact) as engine:
-        src = open_source(parquet / "src", engine.inputs)
-    with pytest.raises(Stop):
-        next(mod.ray_batches(artifact, src, 0, 8, 32, True))
-    args, kwargs = seen["read"]
-    assert (seen["map"]["concurrency"], seen["map"]["num_cpus"]) == (3, 0.6666)
-    assert (kwargs["concurrency"], args[3]) == (3, 0.6666)  # fused with the engine tasks
-
-
 def _in_row_order(blocks) -> list:
     """Blocks of keys ``k<row>`` sorted by their first row."""
     return sorted(blocks, key=lambda keys: int(str(keys[0])[1:]))
