@@ -124,26 +124,7 @@ def _input_means(
     source: onnx.ModelProto, names: Sequence[str], rows: Sequence[Mapping[str, np.ndarray]]
 ) -> dict[str, np.ndarray]:
     """Per-channel (axis 1) mean of each named tensor of the float model over ``rows``."""
-    from enginekit.calibration.accuracy import ort_runner
-
-    model = copy.deepcopy(source)
-    have = {o.name for o in model.graph.output}
-    wanted = list(dict.fromkeys(names))
-    for name in wanted:
-        if name not in have:
-            model.graph.output.append(onnx.ValueInfoProto(name=name))
-    order = [o.name for o in model.graph.output]
-    run = ort_runner(model)
-    sums: dict[str, np.ndarray] = {}
-    counts: dict[str, int] = {}
-    for feeds in rows:
-        values = dict(zip(order, run(feeds)))
-        for name in wanted:
-            v = np.asarray(values[name], np.float64)
-            flat = np.moveaxis(v, 1, 0).reshape(v.shape[1], -1)
-            sums[name] = sums.get(name, 0) + flat.sum(axis=1)
-            counts[name] = counts.get(name, 0) + flat.shape[1]
-    return {n: sums[n] / counts[n] for n in wanted}
+    return _channel_means(source, list(dict.fromkeys(names)), rows, optimized=True)
 
 
 #: Rows :func:`correct_bias_sequential` measures means on (one run of the Q/DQ model per level).
