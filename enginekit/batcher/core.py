@@ -35,6 +35,7 @@ from enginekit.batcher.defaults import (
     standby_for,
     workers_for,
 )
+from enginekit.batcher.direct import DirectRun
 from enginekit.batcher.helper import HelperThread, Prepared
 from enginekit.batcher.metrics import Metrics, prometheus, snapshot
 from enginekit.batcher.policy import ArrivalRate, CostModel, decide, take_size
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 INLINE_RESOLVE = 4
 
 
-class Batcher(HelperThread, StandbyThreads):
+class Batcher(HelperThread, StandbyThreads, DirectRun):
     """Gathers single samples (or small batches) into batches for one engine.
 
     Args:
@@ -87,6 +88,11 @@ class Batcher(HelperThread, StandbyThreads):
             of different lengths share batches (only for models that mask padding, e.g. with
             an attention mask; off by default). Outputs are cut back to each request's length.
         seq_buckets: lengths to pad up to (default: powers of two up to the profile's max).
+        direct: let a blocking :meth:`infer` run the engine on its caller's thread when its
+            request would go out alone at once to an idle worker (nothing queued, the policy
+            sends a one-row batch now): no thread hand-off either way. The call takes that
+            worker's slot, so no more calls run at once than without it (False: every call
+            runs on the Batcher's threads, e.g. for an engine bound to one thread).
         warmup: run the engine at batch 1 and at the maximum once, to seed the cost model.
         name: the ``batcher`` label in ``prometheus()`` output.
     """
@@ -106,6 +112,7 @@ class Batcher(HelperThread, StandbyThreads):
         starvation_ms: float | None = None,
         pad_values: Mapping[str, float] | None = None,
         seq_buckets: Sequence[int] | None = None,
+        direct: bool = True,
         warmup: bool = False,
         name: str = "default",
     ) -> None:
@@ -133,6 +140,7 @@ class Batcher(HelperThread, StandbyThreads):
         preferred = preferred_for(engine, preferred_sizes, self.max_batch_size)
         self.preferred = preferred
         self.name = name
+        self.direct = bool(direct)
         self._cost = CostModel()
         self._arrivals = ArrivalRate()
         self._rate: ArrivalRate | None = self._arrivals if adaptive else None
@@ -151,6 +159,7 @@ class Batcher(HelperThread, StandbyThreads):
         # HelperThread._yield_to_engine).
         self._due = [math.inf] * self._running
         self._idle = 0  # workers waiting on the queue
+        self._lent = 0  # of those, slots lent to callers running the engine themselves (infer)
         # Standby threads wait on their own Condition (same lock): submit() wakes one only when
         # no worker is idle and arrivals are sparse; _wake_newest() never picks one.
         self._standby_cv = threading.Condition(self._lock)
@@ -233,7 +242,7 @@ class Batcher(HelperThread, StandbyThreads):
             self._arrivals.observe(now)
             # Wake a waiting worker only when the batch it waits for may be ready: busy workers
             # look at the queue by themselves when their batch ends.
-            if self._idle:
+            if self._idle > self._lent:
                 if rows >= self._plan.get(request.key, 1) or now >= self._wake_at:
                     self._wake_newest()
             elif self._standby_idle and self._standby_gap < math.inf and self._quiet(now):
@@ -248,7 +257,20 @@ class Batcher(HelperThread, StandbyThreads):
     def infer(
         self, sample: Any, *, priority: int = 0, timeout_ms: float | None = None
     ) -> dict[str, np.ndarray]:
-        """Submit one sample and block until its outputs are ready (see :meth:`submit`)."""
+        """Submit one sample and block until its outputs are ready (see :meth:`submit`).
+
+        A request that would go out alone at once to an idle worker runs on this thread
+        instead (see ``direct``)."""
+        if self.direct and not self._queue.count and self._idle > self._lent:
+            try:
+                feeds, form = self._layout.prepare(sample)
+            except EngineInputError:
+                pass  # submit() counts it and raises
+            else:
+                request = Request(feeds, form, int(priority), time.monotonic())
+                result = self._run_direct(request)
+                if result is not None:
+                    return result
         return self.submit(sample, priority=priority, timeout_ms=timeout_ms).result()
 
     async def infer_async(
@@ -274,7 +296,7 @@ class Batcher(HelperThread, StandbyThreads):
                 queue_rows=self._queue.rows,
                 workers=self._workers,
                 standby=self.standby,
-                running_batches=self._running - self._idle - self._standby_idle,
+                running_batches=self._running - self._idle - self._standby_idle + self._lent,
                 arrival_rate_per_s=0.0 if math.isinf(gap) or gap <= 0 else 1.0 / gap,
                 model={
                     "fixed_ms": self._cost.fixed * 1e3,
@@ -435,6 +457,13 @@ class Batcher(HelperThread, StandbyThreads):
         cv, q = self._cv, self._queue
         plan: dict[Key, int]
         while True:
+            if self._lent > self._idle:
+                # A caller runs the engine in a slot lent by an idle worker (DirectRun), and no
+                # other idle worker stands for it: this one is busy until the slot returns.
+                self._idle += 1
+                cv.wait()
+                self._idle -= 1
+                continue
             now = time.monotonic()
             expired = q.expire(now) if q.has_deadlines else []
             if expired:

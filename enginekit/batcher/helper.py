@@ -43,6 +43,7 @@ class HelperThread:
     _metrics: Metrics
     _layout: Layout
     _idle: int
+    _lent: int  # idle workers' slots lent to callers (DirectRun)
     _timer_at: float
     _prepared: Prepared | None
     _preparing: bool
@@ -78,7 +79,12 @@ class HelperThread:
         batches: a batch that may still grow is left to gather rows until a worker is free."""
         with self._cv:
             q = self._queue
-            if self._prepared is not None or self._preparing or self._idle or not q.count:
+            if (
+                self._prepared is not None
+                or self._preparing
+                or self._idle > self._lent
+                or not q.count
+            ):
                 return
             if not any(g.rows >= self.max_batch_size for g in q.groups.values()):
                 return

@@ -45,6 +45,7 @@ class StandbyThreads:
     _standby_gap: float  # see _standby_threshold
     _closing: bool
     _idle: int
+    _lent: int  # idle workers' slots lent to callers (DirectRun)
     _queue: WaitQueue
     _metrics: Metrics
     _cost: CostModel
@@ -79,7 +80,7 @@ class StandbyThreads:
             wake = math.inf
             if (
                 q.count
-                and not self._idle
+                and self._idle <= self._lent
                 and self._prepared is None
                 and not self._preparing
                 and self._quiet(now)
