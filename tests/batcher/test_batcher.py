@@ -18,20 +18,6 @@ import enginekit as ek
 
 
 @pytest.fixture(scope="module")
-def cnn(onnx_model):
-    engine = build(onnx_model, "cnn")
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def encoder(onnx_model):
-    engine = build(onnx_model, "transformer")
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
 def two(onnx_model):
     engine = build(onnx_model, "two_input")
     yield engine

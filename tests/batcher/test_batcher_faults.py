@@ -14,13 +14,6 @@ from batcher_engines import POISON, Held, build, rows
 import enginekit as ek
 
 
-@pytest.fixture(scope="module")
-def cnn(onnx_model):
-    engine = build(onnx_model, "cnn")
-    yield engine
-    engine.close()
-
-
 @pytest.fixture
 def held(cnn):
     engine = Held(cnn)

@@ -17,13 +17,6 @@ from enginekit.batcher import defaults
 from enginekit.batcher.defaults import engine_concurrency
 
 
-@pytest.fixture(scope="module")
-def cnn(onnx_model):
-    engine = build(onnx_model, "cnn")
-    yield engine
-    engine.close()
-
-
 def test_auto_follows_what_the_engine_build_says(cnn, monkeypatch):
     monkeypatch.setattr(defaults, "usable_cores", lambda: 4)
     gpu = ort_cpu(1)
