@@ -9,7 +9,8 @@ so a request expires on time even while every worker is inside the engine. A sta
 runs a batch only while every worker is inside the engine and arrivals are sparse: at low load a
 request that arrives during another's call runs beside it on an engine that runs calls side by
 side, instead of waiting it out; under load it stays asleep, leaving the cores to the workers and
-to the Python side of submitting and resolving.
+to the Python side of submitting and resolving. A blocking infer() whose request would go out
+alone at once to an idle worker runs it on the caller's thread, in that worker's slot (direct.py).
 """
 
 from __future__ import annotations
