@@ -243,6 +243,7 @@ def optimize(
     import tvm
     from tvm import relax
 
+    from enginekit.backends.tvm.fastmath import fast_math
     from enginekit.backends.tvm.layout import convert_nhwc
 
     barriers: list[Any] = []
@@ -259,6 +260,9 @@ def optimize(
             from enginekit.backends.tvm.precision import to_bf16
 
             mod = to_bf16(mod)
+        if target.kind.name == "llvm":
+            # libm's erf per element, unvectorized, cost GELU more than its matmul.
+            mod = fast_math(mod)
         graph = tvm.transform.Sequential(
             [relax.transform.FoldConstant(), relax.transform.CanonicalizeBindings()]
         )(mod)
