@@ -363,7 +363,7 @@ class InEngine(ek.Engine):
         return out
 
     def per_call(self) -> dict[str, float]:
-        n = max(self.calls, 1)
+        n = self.calls or math.nan  # nan: no full batch ran
         return {"engine_cpu_ms": self.cpu / n * 1e3, "engine_wall_ms": self.wall / n * 1e3}
 
 
@@ -564,7 +564,7 @@ def run_model(
             lambda s, e=pool_engine: pool.submit(e.infer, s), ones, rate, seed,
             trace=traces["pool"],
         )  # fmt: skip
-        top = fraction == rates[-1]
+        top = fraction == rates[-1] and fraction > 1  # the overload goal's cell
         if top:  # the goal's ceiling: with the load generator beside it, as the cell has
             beside.append(ceiling_beside(engine, full, max_batch, slice_s, rate, streams))
         # The overload cell's engine adds up its own CPU per full batch (InEngine).
