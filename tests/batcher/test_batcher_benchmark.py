@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from batcher_engines import build
 from script_loader import load_script
 
 ROOT = Path(__file__).parent.parent.parent
@@ -19,8 +18,8 @@ def script():
     return load_script(ROOT / "benchmarks" / "batcher.py", "bench_batcher")
 
 
-def test_quick_run_reports_every_mode_at_every_rate(script, onnx_model):
-    engine = build(onnx_model, "cnn")
+def test_quick_run_reports_every_mode_at_every_rate(script, cnn):
+    engine = cnn
     rng = np.random.default_rng(0)
 
     def make(n):
@@ -28,7 +27,6 @@ def test_quick_run_reports_every_mode_at_every_rate(script, onnx_model):
 
     args = argparse.Namespace(quick=True, seconds=0.1, workers="auto", standby="auto")
     rows = script.run_model("cnn", engine, make, 8, args)
-    engine.close()
     modes = [(r["fraction"], r["mode"]) for r in rows if "fraction" in r]
     assert modes == [(f, m) for f in script.QUICK_RATES for m in ("pool", "batcher")]
     for r in rows:
@@ -109,14 +107,13 @@ def test_trace_tells_what_made_each_slow_request_slow(script):
     }
 
 
-def test_quick_run_with_trace_reports_the_lone_call_and_the_tail(script, onnx_model, capsys):
-    engine = build(onnx_model, "cnn")
+def test_quick_run_with_trace_reports_the_lone_call_and_the_tail(script, cnn, capsys):
+    engine = cnn
     rng = np.random.default_rng(0)
     args = argparse.Namespace(quick=True, seconds=0.1, workers=1, standby="auto", trace=True)
     rows = script.run_model(
         "cnn", engine, lambda n: rng.standard_normal((n, 3, 16, 16)).astype(np.float32), 8, args
     )
-    engine.close()
     low = [r for r in rows if r.get("fraction") == script.QUICK_RATES[0]]
     for r in low:
         assert 0 < r["lone_batch1_ms"] <= r["lone_batch1_p99_ms"]
@@ -140,3 +137,24 @@ def test_engine_thread_accounting_splits_wall_time_per_call(script):
     assert t["calls"] == 2 and t["cpu_ms"] > 0  # per call: half of the window
     assert t["blocked_ms"] > 0 and t["voluntary"] >= 0.5  # the sleep blocked it
     assert abs(t["wall_ms"] - t["cpu_ms"] - t["runqueue_ms"] - t["blocked_ms"]) < 1e-6
+
+
+def test_the_overload_cell_alone_counts_the_engines_own_cpu_per_full_batch(script, cnn):
+    rng = np.random.default_rng(0)
+    args = argparse.Namespace(quick=True, seconds=0.1, workers=1, standby="auto", rates=(1.5,))
+    rows = script.run_model(
+        "cnn", cnn, lambda n: rng.standard_normal((n, 3, 16, 16)).astype(np.float32), 8, args
+    )
+    assert [r["mode"] for r in rows] == ["pool", "batcher", "ceiling"]
+    assert "lone_batch1_ms" not in rows[1]  # no low-rate cell: no recording engine, no goal
+    goals = script.goals_for("cnn", rows)
+    assert [g[0].split(":")[1].split()[0] for g in goals] == ["highest"]
+    for thread in (rows[1].get("engine_thread"), rows[1].get("ceiling_engine_thread")):
+        if thread is not None:  # Linux: the engine's own CPU inside its thread's CPU
+            assert 0 < thread["engine_cpu_ms"] <= thread["cpu_ms"] * 1.05
+    # InEngine times only calls of its batch size (the full batches the ceiling runs).
+    timed = script.InEngine(cnn, 4)
+    timed.infer(rng.standard_normal((2, 3, 16, 16)).astype(np.float32))
+    assert timed.calls == 0
+    timed.infer(rng.standard_normal((4, 3, 16, 16)).astype(np.float32))
+    assert timed.calls == 1 and timed.per_call()["engine_cpu_ms"] >= 0
