@@ -84,6 +84,8 @@ class ParquetSource(Source):
         self.description = f"parquet:{path}"
         #: Row groups read by the page reader and by pyarrow (the page reader's refusals).
         self.groups_fast = self.groups_arrow = 0
+        #: The page reader's read buffers, reused once the engine is done with them.
+        self._buffers = BufferPool(READ_SLOTS)
 
     def pieces(self, start: int, size: int) -> Iterator[Piece]:
         import pyarrow.parquet as pq
@@ -192,7 +194,9 @@ class ParquetSource(Source):
                 what = f"column {col!r} of {f} (rows from {row0 + lo})"
                 if spec.name in readers:
                     leaf = leaves[spec.name]
-                    a = readers[spec.name].take(rows * leaf.size).reshape(rows, *leaf.shape)
+                    count = rows * leaf.size
+                    out = self._buffers.get(spec.name, count, readers[spec.name].dtype)
+                    a = readers[spec.name].take(count, out).reshape(rows, *leaf.shape)
                 else:
                     a = to_numpy(cols[col].slice(lo, rows), what)
                 feeds[spec.name] = check_rows(spec, a, what, self.cast)
@@ -408,6 +412,39 @@ def spare_buffer(key: str, count: int, dtype: Any) -> np.ndarray:
             return old[:count]
         new = _spares[key] = np.empty(count, dtype)
         return new[:count]
+
+
+#: Read buffers a local job's source keeps for reuse per tensor column: the reads queued, in the
+#: engine and being written at once (each is freed when its last batch has run).
+READ_SLOTS = 8
+
+
+class BufferPool:
+    """Buffers for reads, each reused once nothing but the pool refers to it.
+
+    Why: a new read buffer of a few MiB is new memory, which the kernel zeroes page by page
+    as the reader first writes it (see :func:`spare_buffer`); a local job's reads are handed
+    to the engine and dropped batch by batch, so a few buffers go round. Safe by construction:
+    a buffer any batch still views is never handed out again."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self._free: dict[str, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str, count: int, dtype: Any) -> np.ndarray:
+        """``count`` values of ``dtype``, uninitialised."""
+        dtype = np.dtype(dtype)
+        with self._lock:
+            kept = self._free.setdefault(key, [])
+            for buf in kept:
+                # 3: the list's reference, ``buf`` and getrefcount's argument; more: in use.
+                if buf.dtype == dtype and buf.size >= count and sys.getrefcount(buf) == 3:
+                    return buf[:count]
+            new = np.empty(count, dtype)
+            if len(kept) < self.slots:
+                kept.append(new)
+            return new
 
 
 def _as_type(flat: np.ndarray, t: Any, size: int) -> Any:

@@ -180,12 +180,13 @@ def _infer(engine: Engine, inputs: dict[str, np.ndarray], state: State) -> dict[
 def run_local(
     engine: Engine, src: Source, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
     size: int, shard_rows: int, start: int, prefetch: int, bar: Progress, state: State,
-    streams: int = 1, total: int | None = None,
+    streams: int = 1, total: int | None = None, save_first: bool = False,
 ) -> int:  # fmt: skip
     """Rows from ``start`` through the engine into committed shards; returns the rows inferred.
 
     ``total``: the source's rows, when known: the commit that reaches it also marks the ledger
-    complete (one save, not two, after the last batch).
+    complete (one save, not two, after the last batch). ``save_first``: the writer saves the
+    ledger before its first shard (see :func:`start_writer`).
 
     ``streams`` > 1 runs that many engine calls at once, each stream on its own thread taking
     the next batch itself (the engine is thread-safe); results still reach the writer in the
@@ -243,7 +244,7 @@ def run_local(
     began = time.perf_counter()
     reader = threading.Thread(target=read, name="enginekit-read", daemon=True)
     reader.start()
-    writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state, total)
+    writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state, total, save_first)
     flow = _Flow(inbox, outbox, state, bar, began)
     workers = [
         threading.Thread(target=flow.work, args=(engine,), name=f"enginekit-stream-{i}")
@@ -366,14 +367,14 @@ class _Flow:
 def write_all(
     results: Iterator[tuple[Batch, dict[str, np.ndarray]]], led: ledger_mod.Ledger, out: Path,
     fmt: str, tensor_format: str, bar: Progress, state: State, prefetch: int,
-    total: int | None = None,
+    total: int | None = None, save_first: bool = False,
 ) -> int:  # fmt: skip
     """The writer for results computed elsewhere (Ray): same shards, same ledger."""
     outbox: queue.Queue = queue.Queue(1)  # whole shards, as in run_local
     rows = batches = 0
     first = waited = wait_output = 0.0
     began = time.perf_counter()
-    writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state, total)
+    writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state, total, save_first)
     shard: list[tuple[Batch, dict[str, np.ndarray]]] = []
     try:
         t0 = time.perf_counter()
@@ -412,16 +413,26 @@ def write_all(
 
 def start_writer(
     outbox: queue.Queue, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
-    bar: Progress, state: State, total: int | None = None,
+    bar: Progress, state: State, total: int | None = None, save_first: bool = False,
 ) -> threading.Thread:  # fmt: skip
     """The writer thread: shards from ``outbox`` until the end mark; an error stops the run
-    (``total``: the source's rows, when known; see :func:`run_local`)."""
+    (``total``: the source's rows, when known; see :func:`run_local`).
+
+    ``save_first``: save the ledger (a new one, or how the engine runs changed) before the
+    first shard, here rather than before the job starts: its fsync (4-9 ms measured) then
+    overlaps the first read instead of delaying the engine's first batch. Exactly-once holds
+    as before: no shard file is written before the ledger is on disk, and a crash before then
+    leaves no shard (an empty folder starts afresh; a resumed run's ledger is unchanged)."""
 
     def write() -> None:
         _lower_priority(IO_NICE)
         cpu = time.thread_time()
         busy = [0.0]
         try:
+            if save_first:
+                t = time.perf_counter()
+                led.save()
+                busy[0] += time.perf_counter() - t
             _write_loop(outbox, led, out, fmt, tensor_format, bar, state, busy, total)
         except BaseException as exc:
             state.error = state.error or exc

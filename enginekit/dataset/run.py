@@ -326,8 +326,9 @@ def _run(
             out / ledger_mod.NAME, model, src.fingerprint, src.description, size,
             rows_per_shard, settings,
         )  # fmt: skip
-        # Saved once below, with how the engine runs: each save is an fsync before the first
-        # batch (a crash before then leaves an empty folder, which a rerun starts afresh).
+        # Saved once, with how the engine runs, by the writer thread before its first shard:
+        # the fsync overlaps the first read (a crash before then leaves an empty folder,
+        # which a rerun starts afresh).
     skipped_shards = len(led.shards)
     start = led.committed_rows()
     if start % rows_per_shard and not led.complete:
@@ -352,8 +353,6 @@ def _run(
     if not ray and led.engine != {"streams": n_streams, "threads": threads}:
         led.engine = {"streams": n_streams, "threads": threads}
         unsaved = True
-    if unsaved:
-        led.save()
     bar = Progress(src.rows, start, progress)
     state = State()
     try:
@@ -362,12 +361,12 @@ def _run(
 
             results = ray_batches(given, src, start, size, rows_per_shard, ray)
             inferred = write_all(
-                results, led, out, fmt, tensor_format, bar, state, prefetch, src.rows
+                results, led, out, fmt, tensor_format, bar, state, prefetch, src.rows, unsaved
             )
         else:
             inferred = run_local(
                 alternate or engine, src, led, out, fmt, tensor_format, size, rows_per_shard,
-                start, prefetch, bar, state, n_streams, src.rows,
+                start, prefetch, bar, state, n_streams, src.rows, unsaved,
             )  # fmt: skip
     finally:
         bar.close()

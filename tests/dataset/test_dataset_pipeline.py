@@ -213,25 +213,73 @@ def test_a_batch_that_runs_out_of_memory_is_halved_and_retried(ekit, tmp_path):
     np.testing.assert_array_equal(read_output(tmp_path / "out")["output"], ref["output"])
 
 
-def test_ledger_saved_once_before_the_first_batch_and_once_per_shard(ekit, tmp_path, monkeypatch):
+def test_ledger_saved_once_before_the_first_shard_and_once_per_shard(ekit, tmp_path, monkeypatch):
     # Each save is an fsync on the job's start or its tail: the first save carries how the
-    # engine runs, and the last shard's commit marks the output complete.
-    from enginekit.dataset import ledger
+    # engine runs, and the last shard's commit marks the output complete. The first is made
+    # by the writer thread (its fsync overlaps the first read, not before the engine starts),
+    # and still before any shard file exists: exactly-once needs no shard without a ledger.
+    import threading
+
+    from enginekit.dataset import ledger, sinks
 
     np.save(tmp_path / "x.npy", cnn_rows(20))
-    saves = []
-    real = ledger.Ledger.save
-    monkeypatch.setattr(
-        ledger.Ledger, "save", lambda self: saves.append(self.complete) or real(self)
-    )
+    events = []
+    real_save, real_write = ledger.Ledger.save, sinks.write_shard
+
+    def save(self):
+        events.append(("save", self.complete, threading.current_thread().name))
+        real_save(self)
+
+    def write(path, *args, **kwargs):
+        events.append(("shard", (path.parent / ledger.NAME).exists(), None))
+        real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(ledger.Ledger, "save", save)
+    monkeypatch.setattr("enginekit.dataset.pipeline.write_shard", write)
     with ek.load(ekit("cnn")) as engine:
         s = ek.infer_dataset(
             engine, tmp_path / "x.npy", tmp_path / "out", 4, shard_rows=8, streams=2
         )
     assert (s.rows, s.shards) == (20, 3)
-    assert saves == [False, False, False, True]  # start, 2 shards, last shard + complete
+    writer = "enginekit-write"
+    assert events == [
+        ("save", False, writer),  # start, on the writer's thread
+        *[("shard", True, None), ("save", False, writer)] * 2,  # 2 shards
+        ("shard", True, None), ("save", True, writer),  # last shard + complete
+    ]  # fmt: skip
     found = ledger.Ledger.read(tmp_path / "out")
     assert found is not None and found.complete and found.engine["streams"] == 2
+
+
+def test_parquet_read_buffers_are_reused_only_when_no_batch_views_them(tmp_path):
+    # A new read buffer is new memory the kernel zeroes as the reader first writes it (half
+    # the reader's page faults); a buffer a batch still views must never be written again.
+    from enginekit.dataset.parquet import BufferPool, ParquetSource
+
+    rows = cnn_rows(64)
+    path = write_parquet(tmp_path / "p.parquet", {"x": tensor_column(rows)}, row_group_size=8)
+    spec = [TensorSpec("x", "float32", ("batch", 3, 16, 16))]
+    src = ParquetSource(path, spec, None, None, False)
+    held, at, count = [], 0, 0
+    for i, piece in enumerate(src.pieces(0, 4)):
+        if i % 3 == 0:
+            held.append((at, piece.inputs["x"]))  # in use: never handed out again
+        at += piece.rows
+        count += 1
+    assert at == 64 and src.groups_fast == 8 and count == 9
+    # New buffers: the held pieces', the first piece's (smaller), and two that went round
+    # (``piece`` still names the last piece while the next is read).
+    assert len(src._buffers._free["x"]) == len(held) + 3 < count
+    for at, x in held:
+        np.testing.assert_array_equal(x, rows[at : at + len(x)])
+    pool = BufferPool(2)
+    a = pool.get("x", 10, np.float32)
+    b = pool.get("x", 10, np.float32)
+    assert not np.shares_memory(a, b)  # ``a`` is alive
+    del a
+    assert np.shares_memory(pool.get("x", 8, np.float32), pool._free["x"][0])  # reused
+    c = pool.get("x", 10, np.float64)  # another dtype: a new one, not kept (2 slots)
+    assert c.dtype == np.float64 and len(pool._free["x"]) == 2
 
 
 def test_parquet_first_piece_is_one_batch_then_whole_reads(tmp_path):
