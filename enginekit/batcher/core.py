@@ -41,7 +41,7 @@ from enginekit.batcher.helper import HelperThread, Prepared
 from enginekit.batcher.metrics import Metrics, prometheus, snapshot
 from enginekit.batcher.policy import ArrivalRate, CostModel, decide, take_size
 from enginekit.batcher.queue import WaitQueue
-from enginekit.batcher.request import Key, Layout, Request
+from enginekit.batcher.request import Form, Key, Layout, Request
 from enginekit.batcher.standby import StandbyThreads, Taken
 from enginekit.engine import Engine
 from enginekit.errors import (
@@ -213,13 +213,26 @@ class Batcher(HelperThread, StandbyThreads, DirectRun):
             QueueFull: ``max_queue`` requests are waiting already.
             BatcherClosed: close() was called.
         """
+        return self._enqueue(self._prepare_sample(sample), priority, timeout_ms)
+
+    def _prepare_sample(self, sample: Any) -> tuple[dict[str, np.ndarray], Form]:
+        """The sample's feeds and form; an invalid one is counted and raises."""
         try:
-            feeds, form = self._layout.prepare(sample)
+            return self._layout.prepare(sample)
         except EngineInputError:
             with self._lock:
                 self._metrics.submitted += 1
                 self._metrics.outcomes["invalid"] += 1
             raise
+
+    def _enqueue(
+        self,
+        prepared: tuple[dict[str, np.ndarray], Form],
+        priority: int,
+        timeout_ms: float | None,
+    ) -> concurrent.futures.Future[dict[str, np.ndarray]]:
+        """Queue a prepared sample (see :meth:`submit`)."""
+        feeds, form = prepared
         now = time.monotonic()
         wait = self.timeout if timeout_ms is None else timeout_ms / 1e3
         deadline = math.inf if wait is None else now + wait
@@ -262,17 +275,12 @@ class Batcher(HelperThread, StandbyThreads, DirectRun):
 
         A request that would go out alone at once to an idle worker runs on this thread
         instead (see ``direct``)."""
+        prepared = self._prepare_sample(sample)
         if self.direct and not self._queue.count and self._idle > self._lent:
-            try:
-                feeds, form = self._layout.prepare(sample)
-            except EngineInputError:
-                pass  # submit() counts it and raises
-            else:
-                request = Request(feeds, form, int(priority), time.monotonic())
-                result = self._run_direct(request)
-                if result is not None:
-                    return result
-        return self.submit(sample, priority=priority, timeout_ms=timeout_ms).result()
+            result = self._run_direct(Request(*prepared, int(priority), time.monotonic()))
+            if result is not None:
+                return result
+        return self._enqueue(prepared, priority, timeout_ms).result()
 
     async def infer_async(
         self, sample: Any, *, priority: int = 0, timeout_ms: float | None = None
