@@ -1,6 +1,6 @@
 """Batcher: many small requests from threads or asyncio, one engine, full batches.
 
-Threads: ``workers`` engine threads, ``standby`` ones and one helper. An idle worker waits on the queue itself and
+Threads: ``workers`` engine threads (worker.py), ``standby`` ones and one helper. An idle worker waits on the queue itself and
 is woken by submit() only when a batch could be ready (the policy says at how many rows, or at
 what time, the answer flips), so a request reaches the engine with one thread switch. A worker
 hands each finished batch to the helper, which splits the outputs and resolves the futures while
@@ -39,10 +39,11 @@ from enginekit.batcher.defaults import (
 from enginekit.batcher.direct import DirectRun
 from enginekit.batcher.helper import HelperThread, Prepared
 from enginekit.batcher.metrics import Metrics, prometheus, snapshot
-from enginekit.batcher.policy import ArrivalRate, CostModel, decide, take_size
+from enginekit.batcher.policy import ArrivalRate, CostModel
 from enginekit.batcher.queue import WaitQueue
-from enginekit.batcher.request import Key, Layout, Request
-from enginekit.batcher.standby import StandbyThreads, Taken
+from enginekit.batcher.request import Form, Key, Layout, Request
+from enginekit.batcher.standby import StandbyThreads
+from enginekit.batcher.worker import EngineThreads
 from enginekit.engine import Engine
 from enginekit.errors import (
     BatcherClosed,
@@ -53,11 +54,8 @@ from enginekit.errors import (
 
 log = logging.getLogger(__name__)
 
-# A worker resolves a batch of at most this many requests itself even when more wait.
-INLINE_RESOLVE = 4
 
-
-class Batcher(HelperThread, StandbyThreads, DirectRun):
+class Batcher(EngineThreads, HelperThread, StandbyThreads, DirectRun):
     """Gathers single samples (or small batches) into batches for one engine.
 
     Args:
@@ -213,13 +211,26 @@ class Batcher(HelperThread, StandbyThreads, DirectRun):
             QueueFull: ``max_queue`` requests are waiting already.
             BatcherClosed: close() was called.
         """
+        return self._enqueue(self._prepare_sample(sample), priority, timeout_ms)
+
+    def _prepare_sample(self, sample: Any) -> tuple[dict[str, np.ndarray], Form]:
+        """The sample's feeds and form; an invalid one is counted and raises."""
         try:
-            feeds, form = self._layout.prepare(sample)
+            return self._layout.prepare(sample)
         except EngineInputError:
             with self._lock:
                 self._metrics.submitted += 1
                 self._metrics.outcomes["invalid"] += 1
             raise
+
+    def _enqueue(
+        self,
+        prepared: tuple[dict[str, np.ndarray], Form],
+        priority: int,
+        timeout_ms: float | None,
+    ) -> concurrent.futures.Future[dict[str, np.ndarray]]:
+        """Queue a prepared sample (see :meth:`submit`)."""
+        feeds, form = prepared
         now = time.monotonic()
         wait = self.timeout if timeout_ms is None else timeout_ms / 1e3
         deadline = math.inf if wait is None else now + wait
@@ -262,17 +273,12 @@ class Batcher(HelperThread, StandbyThreads, DirectRun):
 
         A request that would go out alone at once to an idle worker runs on this thread
         instead (see ``direct``)."""
+        prepared = self._prepare_sample(sample)
         if self.direct and not self._queue.count and self._idle > self._lent:
-            try:
-                feeds, form = self._layout.prepare(sample)
-            except EngineInputError:
-                pass  # submit() counts it and raises
-            else:
-                request = Request(feeds, form, int(priority), time.monotonic())
-                result = self._run_direct(request)
-                if result is not None:
-                    return result
-        return self.submit(sample, priority=priority, timeout_ms=timeout_ms).result()
+            result = self._run_direct(Request(*prepared, int(priority), time.monotonic()))
+            if result is not None:
+                return result
+        return self._enqueue(prepared, priority, timeout_ms).result()
 
     async def infer_async(
         self, sample: Any, *, priority: int = 0, timeout_ms: float | None = None
@@ -373,169 +379,3 @@ class Batcher(HelperThread, StandbyThreads, DirectRun):
         dropped = self._queue.purge_cancelled()
         self._metrics.outcomes["cancelled"] += dropped
         return dropped
-
-    # -- the engine threads ----------------------------------------------------------------------
-
-    def _work(self, standby: bool = False, slot: int = 0) -> None:
-        """An engine thread: take the next batch (one the helper prepared, or a ready one from
-        the queue, waiting as long as there is none), run it, hand the outputs to the helper,
-        which resolves the futures while this one runs the next batch. Returns once closing
-        and nothing is left to run (a standby thread: once closing)."""
-        engine, lock, done, due, cost = self.engine, self._lock, self._done, self._due, self._cost
-        give_back = False  # the last batch's collation arrays go back to the pool
-        buffers: dict[Any, np.ndarray] = {}
-        while True:
-            with lock:  # the Condition's lock, entered without its Python-level __enter__
-                if give_back:
-                    self._buffer_sets.append(buffers)
-                taken = self._take_standby() if standby else self._take()
-                if taken is not None and taken[0] is not None:
-                    buffers = self._buffer_sets.pop() if self._buffer_sets else {}
-            if taken is None:
-                break
-            requests, expired, prepared = taken
-            if expired:
-                done.put(("expired", expired))
-            if prepared is not None:
-                live, feeds, rows, buffers = prepared
-            else:
-                assert requests is not None  # either requests or a prepared batch
-                live, feeds, rows = self._admit(requests, buffers)
-            if not live:
-                give_back = False
-                continue
-            start = time.perf_counter()
-            due[slot] = start + cost.predict(rows)
-            try:
-                if isinstance(feeds, BaseException):
-                    raise feeds
-                outputs: Any = engine.infer(feeds)
-                due[slot] = math.inf  # out of the engine, holding the interpreter lock again
-                if feeds is not live[0].feeds:
-                    outputs = self._layout.detach(outputs, buffers)
-                ok = True
-            except BaseException as exc:  # handed to the batch's futures
-                outputs, ok = exc, False
-                log.warning("batcher %r: a batch of %d rows failed: %r", self.name, rows, exc)
-            due[slot] = math.inf
-            elapsed = time.perf_counter() - start
-            # Reads without the lock: a hint is enough here. A few futures cost less to resolve
-            # here than waking the helper does (a thread switch, and the interpreter lock
-            # taken from this thread just as it starts the next batch).
-            if len(live) > INLINE_RESOLVE and (self._queue.count or self._prepared is not None):
-                # The helper resolves and accounts for the batch (the cost model, the metrics):
-                # between two engine calls this thread only picks up the next batch.
-                give_back = True
-                done.put((live, outputs, ok, (rows, elapsed, ok)))
-            else:
-                # Resolve here, accounting for the batch in the same lock round-trip, so that
-                # little is left to do between waking the callers and blocking or starting the
-                # next batch (the callers need the interpreter lock this thread holds).
-                give_back = False
-                self._finish((live, outputs, ok, (rows, elapsed, ok)), buffers)
-                if self._queue.rows >= self.max_batch_size:
-                    done.put(("wake",))  # the helper collates a full batch while this one runs
-        with lock:
-            self._running -= 1
-            last = self._running == 0
-        if last:
-            done.put(None)  # the helper ends after what is queued before this
-
-    def _ran(self, rows: int, elapsed: float, ok: bool) -> None:
-        """Account a finished batch (under the lock)."""
-        m = self._metrics
-        m.batches += 1
-        m.batch_rows[rows] += 1
-        m.add("engine", elapsed)
-        if ok:
-            self._cost.observe(rows, elapsed)
-            self._standby_threshold()
-
-    def _take(self) -> Taken | None:
-        """What to run next — requests from the queue, or a batch the helper prepared — and the
-        requests that expired meanwhile, waiting as long as there is none (under the lock);
-        None once closing with nothing left to run."""
-        cv, q = self._cv, self._queue
-        plan: dict[Key, int]
-        while True:
-            if self._lent > self._idle:
-                # A caller runs the engine in a slot lent by an idle worker (DirectRun), and no
-                # other idle worker stands for it: this one is busy until the slot returns.
-                self._idle += 1
-                cv.wait()
-                self._idle -= 1
-                continue
-            now = time.monotonic()
-            expired = q.expire(now) if q.has_deadlines else []
-            if expired:
-                self._metrics.outcomes["expired"] += len(expired)
-            prepared = self._prepared
-            if prepared is not None:
-                self._prepared = None
-                return None, expired, prepared
-            if self._preparing:  # the helper collates the oldest rows: run them first
-                if expired:
-                    return [], expired, None
-                cv.wait()
-                continue
-            if not q.count:
-                if self._closing:
-                    return None
-                taken, wake, plan = None, math.inf, {}
-            else:
-                taken, wake, plan = self._ready(now)
-            if taken:
-                return taken, expired, None
-            if expired:
-                return [], expired, None
-            # Nothing to send: wait, and tell submit() when waking this thread is worth it.
-            self._idle += 1
-            self._plan, self._wake_at = plan, wake
-            cv.wait(None if math.isinf(wake) else max(wake - now, 0.0))
-            self._idle -= 1
-
-    def _ready(self, now: float) -> tuple[list[Request] | None, float, dict[Key, int]]:
-        """The requests to send now if any; otherwise when to look again and, per group, the
-        row count at which to look again (under the lock)."""
-        best: tuple[Any, ...] | None = None
-        best_rank: tuple[bool, int, int] | None = None
-        wake, plan = math.inf, {}
-        closing = self._closing
-        for key, group in self._queue.groups.items():
-            oldest = group.oldest()
-            if oldest is None:
-                continue
-            if closing:
-                reason = "close"
-            else:
-                d = decide(
-                    group.rows,
-                    self.max_batch_size,
-                    oldest.arrival,
-                    now,
-                    self.max_delay,
-                    self._rate,
-                    self._cost,
-                )
-                if not d.send:
-                    wake = min(wake, d.recheck_at)
-                    plan[key] = d.need
-                    continue
-                reason = d.reason
-            if best is None:  # rank only when groups compete (one group is the common case)
-                best = (group, reason)
-                continue
-            if best_rank is None:
-                best_rank = best[0].rank(now, self.starve)
-            rank = group.rank(now, self.starve)
-            if rank > best_rank:
-                best, best_rank = (group, reason), rank
-        if best is None:
-            return None, wake, plan
-        group, reason = best
-        size = take_size(group.rows, self.max_batch_size, self.preferred, reason)
-        taken = self._queue.take(group, size, now, self.starve)
-        m = self._metrics
-        m.reasons[reason] += 1
-        m.add_many("queue_wait", [now - r.arrival for r in taken])
-        return taken, now, plan

@@ -28,7 +28,16 @@ def test_quick_run_reports_every_mode_at_every_rate(script, cnn):
     args = argparse.Namespace(quick=True, seconds=0.1, workers="auto", standby="auto")
     rows = script.run_model("cnn", engine, make, 8, args)
     modes = [(r["fraction"], r["mode"]) for r in rows if "fraction" in r]
-    assert modes == [(f, m) for f in script.QUICK_RATES for m in ("pool", "batcher")]
+    low, top = script.QUICK_RATES
+    assert modes == [
+        (low, "pool"),
+        (low, "batcher"),
+        (low, "infer"),
+        (top, "pool"),
+        (top, "batcher"),
+    ]
+    # The blocking callers at the lowest rate: lone requests run on their own threads.
+    assert next(r for r in rows if r["mode"] == "infer")["reasons"].get("direct", 0) >= 1
     for r in rows:
         assert r["throughput"] > 0
         if "p99_ms" in r:
@@ -115,7 +124,8 @@ def test_quick_run_with_trace_reports_the_lone_call_and_the_tail(script, cnn, ca
         "cnn", engine, lambda n: rng.standard_normal((n, 3, 16, 16)).astype(np.float32), 8, args
     )
     low = [r for r in rows if r.get("fraction") == script.QUICK_RATES[0]]
-    for r in low:
+    assert [r["mode"] for r in low] == ["pool", "batcher", "infer"]
+    for r in low[:2]:  # the recorded cells (the blocking callers' runs on the plain engine)
         assert 0 < r["lone_batch1_ms"] <= r["lone_batch1_p99_ms"]
         assert r["trace"]["requests"] > 0
         assert sum(r["trace"]["tail_classes"].values()) == len(r["trace"]["tail"]) >= 1
