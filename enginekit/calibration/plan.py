@@ -246,7 +246,10 @@ def _search(
     entry["sum_preserving_rounding"] = "sums" in steps
     entry["gptq_rounding"] = "gptq" in steps
     entry["bias_correction"] = "bias" in steps
-    entry["sequential_bias_correction"] = "seqbias" in steps
+    seq = next((s for s in steps if s.startswith("seqbias")), None)
+    entry["sequential_bias_correction"] = seq is not None
+    if seq is not None:  # ``seqbias50``: the first 50% of its layers (upstream first)
+        entry["sequential_bias_share"] = int(seq[len("seqbias") :] or 100) / 100
     return Quantized(load_model(result.model), table, held, entry)
 
 

@@ -9,7 +9,7 @@ from conftest import reference
 from onnx import TensorProto, helper, numpy_helper
 
 import enginekit as ek
-from enginekit.calibration.bias import correct_bias, correct_bias_sequential
+from enginekit.calibration.bias import biases_from, correct_bias, correct_bias_sequential
 from enginekit.calibration.writers import write_qdq
 
 
@@ -84,7 +84,7 @@ def test_sequential_bias_correction_takes_off_the_mean_shift_of_clipped_activati
     qdq = write_qdq(model, table, style="onnxruntime-cpu", per_channel=True, reduce_range=True)
     analytic, _ = correct_bias(qdq, model, [{"x": x[:32]}])
     fixed, layers = correct_bias_sequential(analytic, model, [{"x": x[:32]}])
-    assert sorted(layers) == ["c1", "c2"]
+    assert layers == ["c1", "c2"]  # level by level, upstream first
     ref = reference(model, {"x": x[32:]})["y"]
 
     def shift(m: onnx.ModelProto) -> float:
@@ -93,3 +93,26 @@ def test_sequential_bias_correction_takes_off_the_mean_shift_of_clipped_activati
     # The weight-only correction leaves the clipping's shift; the sequential one removes it.
     assert shift(fixed) < shift(analytic) / 3
     assert fixed is not analytic and analytic.graph.initializer != fixed.graph.initializer
+
+
+def test_biases_from_stops_the_sequential_correction_after_its_first_levels():
+    model = two_convs()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((32, 4, 6, 6)).astype(np.float32)
+    table = ek.calibrate(model, x, method="percentile").with_method("percentile", 90.0)
+    qdq = write_qdq(model, table, style="onnxruntime-cpu", per_channel=True, reduce_range=True)
+    fixed, layers = correct_bias_sequential(qdq, model, [{"x": x}])
+
+    def biases(m: onnx.ModelProto) -> dict[str, np.ndarray]:
+        producer = {o: n for n in m.graph.node for o in n.output}
+        init = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+        return {
+            n.name: init[producer[n.input[2]].input[0]] for n in m.graph.node if n.op_type == "Conv"
+        }
+
+    before, after = biases(qdq), biases(fixed)
+    got = biases(biases_from(fixed, qdq, layers[:1]))
+    assert not np.array_equal(before["c1"], after["c1"])
+    np.testing.assert_array_equal(got["c1"], after["c1"])  # the first level corrected
+    np.testing.assert_array_equal(got["c2"], before["c2"])  # the second one left as it was
+    np.testing.assert_array_equal(biases(qdq)["c1"], before["c1"])  # the base is not edited

@@ -408,3 +408,42 @@ def test_every_layer_in_float_is_measured_only_when_nothing_less_meets_the_targe
     order = [f"layer{i}" for i in range(64)]
     found = _fallback_search(None, None, "m", order, AccuracyTarget(0.97, max_plans=12), evaluate)
     assert seen == measured and found is not None and len(found.kept) == needed
+
+
+def test_final_timing_picks_a_cheap_plan_unless_another_is_clearly_faster():
+    from enginekit.calibration.search import FINAL_MARGIN, Plan, _final_timing, _measured_fastest
+
+    def plan(share: float, speedup: float | None = None) -> Plan:
+        metrics = {"top1_agreement": 1.0, "max_abs": 0.0, "nmse": 0.0}
+        return Plan("percentile", ("a",), metrics, 1.0, True, 1.0, share, speedup)
+
+    cheapest = plan(0.1, 1.30)
+    # Within the margin the cheapest in float MACs stays: timings differ by noise.
+    assert _measured_fastest([cheapest, plan(0.2, 1.30 * (1 + FINAL_MARGIN / 2))]) is cheapest
+    faster = plan(0.2, 1.30 * (1 + 2 * FINAL_MARGIN))
+    assert _measured_fastest([cheapest, faster]) is faster
+
+    calls: list[str] = []
+
+    def runner(name: str):
+        return lambda feeds: calls.append(name)
+
+    first, second = plan(0.1), plan(0.2)
+    timed = _final_timing(
+        runner("fp32"), lambda proto: runner(proto.graph.name),
+        [(first, helper.make_model(helper.make_graph([], "one", [], []))),
+         (second, helper.make_model(helper.make_graph([], "two", [], [])))],
+        {"x": np.zeros(1, np.float32)},
+    )  # fmt: skip
+    assert set(timed) == {id(first), id(second)}
+    assert all(p.final_speedup is not None and p.final_speedup > 0 for p in timed.values())
+    # The float model and the plans take turns (after one warm-up run each).
+    assert calls[3:6] == ["fp32", "one", "two"] and calls.count("two") == calls.count("fp32")
+    assert timed[id(first)].to_json()["final_speedup_vs_fp32"] == timed[id(first)].final_speedup
+    from enginekit.cli.build import plans_text
+
+    found = {
+        "measured_on": "ONNX Runtime CPU, 1 held-out rows", "plans": [timed[id(first)].to_json()],
+        "kept_in_float": [], "fallback_precision": "float", "fallback_reason": "float32",
+    }  # fmt: skip
+    assert "(final timing " in plans_text(found)
