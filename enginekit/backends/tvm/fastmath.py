@@ -19,7 +19,47 @@ from __future__ import annotations
 from typing import Any
 
 #: Relax ops replaced by a TE kernel built on TVM's approximations.
-FAST = ("relax.erf", "relax.tanh", "relax.nn.gelu", "relax.nn.gelu_tanh")
+FAST = ("relax.erf", "relax.tanh", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.softmax")
+#: Below this, TVM's ``fast_exp`` clamps its argument (``exp(-88.38)`` is float32's smallest
+#: normal number): softmax takes 0 there, as ``exp`` does.
+_EXP_FLOOR = -88.0
+
+
+def _softmax(x: Any, axis: int = -1) -> Any:
+    """TOPI's softmax with ``fast_exp``, exact at the edges: ``x - max`` is 0 or below, and
+    where it is below :data:`_EXP_FLOOR` (a masked position: -inf or float32's lowest) the
+    exponential is 0, where it is NaN (a row masked entirely: ``-inf - -inf``) NaN, as with
+    ``exp`` (the importer's all-masked-row check tests for that NaN)."""
+    from tvm import te, tirx, topi
+
+    shape = x.shape
+    axis = axis % len(shape)
+    k1 = te.reduce_axis((0, shape[axis]), name="k")
+    k2 = te.reduce_axis((0, shape[axis]), name="k")
+    reduced = tuple(d for i, d in enumerate(shape) if i != axis)
+
+    def row(indices: Any) -> tuple[Any, ...]:
+        return tuple(v for i, v in enumerate(indices) if i != axis)
+
+    def at(indices: Any, k: Any) -> tuple[Any, ...]:
+        return (*indices[:axis], k, *indices[axis:])
+
+    top = te.compute(reduced, lambda *i: te.max(x[at(i, k1)], axis=k1), name="T_softmax_maxelem")
+    delta = te.compute(shape, lambda *i: x[i] - top[row(i)], name="T_softmax_delta")
+    fast = topi.fast_exp(delta)
+    exp = te.compute(
+        shape,
+        lambda *i: tirx.Select(
+            delta[i] >= _EXP_FLOOR,
+            fast[i],
+            tirx.Select(tirx.isnan(delta[i]), delta[i], tirx.const(0, x.dtype)),
+        ),
+        name="T_softmax_exp",
+    )
+    total = te.compute(reduced, lambda *i: te.sum(exp[at(i, k2)], axis=k2), name="T_softmax_expsum")
+    return te.compute(
+        shape, lambda *i: exp[i] / total[row(i)], name="T_softmax_norm", attrs={"axis": axis}
+    )
 
 
 def _kernel(name: str) -> Any:
@@ -37,6 +77,7 @@ def _kernel(name: str) -> Any:
         return 0.5 * x * (1 + topi.fast_tanh(inner))
 
     return {
+        "relax.nn.softmax": _softmax,
         "relax.erf": topi.fast_erf,
         "relax.tanh": topi.fast_tanh,
         "relax.nn.gelu": gelu,
@@ -59,6 +100,8 @@ def fast_math(mod: Any) -> Any:
                 return call
             if str(getattr(call.args[0].ty, "dtype", "")) != "float32":
                 return call
+            if name == "relax.nn.softmax":
+                return self.builder_.call_te(_softmax, call.args[0], int(call.attrs.axis))
             return self.builder_.call_te(_kernel(name), call.args[0])
 
     if not any(_uses(func) for _gv, func in mod.functions_items()):

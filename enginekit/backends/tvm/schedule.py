@@ -610,7 +610,40 @@ def _schedule(
             return _Chosen(padded, sch, rows >= _rows_block(lanes))
         _schedule_reduction(sch, infos, reductions[0], lanes, parallel, pack)
         return sch
-    return None  # softmax, layer norm: DLight's Reduction rule
+    if _extent(sch, sch.get_loops(infos[-1].block_rv)[-1]) is None:
+        return _schedule_rows(sch, lanes, parallel)
+    return None  # softmax, layer norm over a static axis: DLight's Reduction rule
+
+
+def _schedule_rows(sch: Any, lanes: int, parallel: bool) -> Any:
+    """Row reductions over a symbolic innermost axis (softmax over a symbolic sequence): the
+    elementwise blocks inlined, the reductions computed per row under the output's row loop
+    (parallel), each inner loop one plain loop over the row.
+
+    DLight's Reduction rule split the symbolic row into vectors of 16 with a predicate,
+    which scalarized every one of its blocks, and kept each intermediate (exponentials,
+    normalized values, a NaN mask) as a tensor of the input's size in memory: a small BERT's
+    attention softmax without static shapes took 3x its static form.
+    """
+    from tvm.s_tir import dlight
+
+    infos = dlight.normalize_prim_func(sch)
+    for info in infos[:-1]:
+        if info.is_injective():
+            sch.compute_inline(info.block_rv)
+    infos = dlight.normalize_prim_func(sch)
+    *reductions, out = infos
+    if not reductions or not all(_reduces(sch, r) for r in reductions):
+        return None
+    loops = sch.get_loops(out.block_rv)
+    if len(loops) < 2:
+        return None
+    rows = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
+    if parallel:
+        sch.parallel(rows)
+    for info in reversed(reductions):
+        sch.compute_at(info.block_rv, rows, preserve_unit_loops=True)
+    return sch
 
 
 def cpu_rules(target: Any, choices: bool = True) -> list[Any]:
