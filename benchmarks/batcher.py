@@ -8,7 +8,8 @@ config, 2 layers, hidden 64, sequence 16). For each, at several offered rates:
   (a) pool     engine.infer per request from a thread pool of 8 (what code does unbatched)
   (b) batcher  ek.Batcher(engine, max_batch, max_delay_ms=2), submit() from the generator;
                at the lowest rate also "infer": the pool's threads calling the blocking
-               Batcher.infer (a lone request runs on its caller's thread: direct=True)
+               Batcher.infer (a lone request runs on its caller's thread: direct=True), and
+               "infer-q", the same with direct=False (handed to the worker and back)
   (c) ceiling  the same engine on full batches of max_batch rows already in memory, back to
                back: no queue, no collation, no futures. Measured in slices just before and just
                after every batcher cell, so that a change in the machine's load hits the cell and
@@ -597,18 +598,20 @@ def run_model(
                     assert in_engine is not None
                     cell["engine_thread"].update(in_engine.per_call())
         cells = [("pool", pool_cell), ("batcher", cell)]
+        reasons: dict[str, dict[str, int]] = {}
         if low:
             # Blocking callers, as a synchronous web handler is: the pool's threads each call
             # Batcher.infer, which runs a lone request on the calling thread when a worker is
             # idle and nothing queued (direct=True) -- no hand-off to the worker and back.
-            with ek.Batcher(engine, max_batch, MAX_DELAY_MS, name=f"{name}-infer",
-                            max_queue=max(count, 1024), workers=args.workers,
-                            standby=args.standby) as blocking:  # fmt: skip
-                direct = open_loop(
-                    lambda s, b=blocking: pool.submit(b.infer, s), samples, rate, seed
-                )
-                direct_reasons = blocking.stats()["dispatch_reasons"]
-            cells.append(("infer", direct))
+            # "infer-q": the same with direct=False (every call handed to the worker and back).
+            for mode, direct in (("infer", True), ("infer-q", False)):
+                with ek.Batcher(engine, max_batch, MAX_DELAY_MS, name=f"{name}-{mode}",
+                                max_queue=max(count, 1024), workers=args.workers,
+                                standby=args.standby, direct=direct) as blocking:  # fmt: skip
+                    cells.append((mode, open_loop(
+                        lambda s, b=blocking: pool.submit(b.infer, s), samples, rate, seed
+                    )))  # fmt: skip
+                    reasons[mode] = blocking.stats()["dispatch_reasons"]
             lone = lone_calls(pool_engine, cell_engine)
             print(
                 f"lone batch-1 call at {rate:,.0f}/s (engine idle between requests): median "
@@ -635,8 +638,8 @@ def run_model(
         before = after
         for mode, c in cells:
             row = {"model": name, "rate": rate, "fraction": fraction, "mode": mode, **c}
-            if mode == "infer":
-                row["reasons"] = direct_reasons
+            if mode in reasons:
+                row["reasons"] = reasons[mode]
             elif low:
                 row["lone_batch1_ms"] = lone[f"{mode}_ms"]
                 row["lone_batch1_p99_ms"] = lone[f"{mode}_p99_ms"]
@@ -645,8 +648,11 @@ def run_model(
             row["ceiling"] = local
             row["of_ceiling"] = c["throughput"] / local
             notes = ""
-            if mode == "infer":
-                notes = f"the pool's threads calling Batcher.infer; sent {direct_reasons}"
+            if mode in reasons:
+                notes = (
+                    f"the pool's threads calling Batcher.infer (direct={mode == 'infer'}); "
+                    f"sent {reasons[mode]}"
+                )
             if mode == "batcher":
                 sizes = stats["batch_size"]
                 row["workers"] = stats["workers"]

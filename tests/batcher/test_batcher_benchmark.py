@@ -33,11 +33,13 @@ def test_quick_run_reports_every_mode_at_every_rate(script, cnn):
         (low, "pool"),
         (low, "batcher"),
         (low, "infer"),
+        (low, "infer-q"),
         (top, "pool"),
         (top, "batcher"),
     ]
     # The blocking callers at the lowest rate: lone requests run on their own threads.
     assert next(r for r in rows if r["mode"] == "infer")["reasons"].get("direct", 0) >= 1
+    assert "direct" not in next(r for r in rows if r["mode"] == "infer-q")["reasons"]
     for r in rows:
         assert r["throughput"] > 0
         if "p99_ms" in r:
@@ -124,7 +126,7 @@ def test_quick_run_with_trace_reports_the_lone_call_and_the_tail(script, cnn, ca
         "cnn", engine, lambda n: rng.standard_normal((n, 3, 16, 16)).astype(np.float32), 8, args
     )
     low = [r for r in rows if r.get("fraction") == script.QUICK_RATES[0]]
-    assert [r["mode"] for r in low] == ["pool", "batcher", "infer"]
+    assert [r["mode"] for r in low] == ["pool", "batcher", "infer", "infer-q"]
     for r in low[:2]:  # the recorded cells (the blocking callers' runs on the plain engine)
         assert 0 < r["lone_batch1_ms"] <= r["lone_batch1_p99_ms"]
         assert r["trace"]["requests"] > 0
