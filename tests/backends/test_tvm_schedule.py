@@ -384,3 +384,29 @@ def test_a_softmax_over_a_symbolic_axis_is_computed_row_by_row_without_predicate
     script = schedule.schedule_cpu(func, 8).mod.script()
     assert "T.where" not in script and "in range(n)" in script and "T.parallel" in script
     assert "T_softmax_exp = " not in script  # no full-size intermediate
+
+
+def test_rows_that_are_a_sequence_within_a_batch_are_padded_without_a_run_time_choice():
+    # A run-time choice keeps the weights unpacked; a sequence's rows take the unpadded branch
+    # only at a length of 1 to 3, so a transformer's projections are padded alone, packed.
+    from tvm.script import tirx as T
+
+    from enginekit.backends.tvm import schedule
+
+    @T.prim_func(private=True, s_tir=True)
+    def project(x_h: T.handle, w: T.Buffer((T.int64(256), T.int64(256)), "float32"), y_h: T.handle):
+        T.func_attr({"layout_free_buffers": [1]})
+        n = T.int64()
+        x = T.match_buffer(x_h, (T.int64(2), n, T.int64(256)), "float32")
+        y = T.match_buffer(y_h, (T.int64(2), n, T.int64(256)), "float32")
+        for b, i, j, r in T.grid(T.int64(2), n, T.int64(256), T.int64(256)):
+            with T.sblock("matmul"):
+                vb, vi, vj, vr = T.axis.remap("SSSR", [b, i, j, r])
+                with T.init():
+                    y[vb, vi, vj] = T.float32(0)
+                y[vb, vi, vj] = y[vb, vi, vj] + x[vb, vi, vr] * w[vr, vj]
+
+    sch = schedule.schedule_cpu(project, 8)
+    script = sch.mod.script()
+    assert "_pad_local" in script and "T.int64(4) <= n" not in script and "n >= T" not in script
+    assert schedule.PREPACK in script  # the weight is repacked
