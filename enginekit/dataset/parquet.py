@@ -144,6 +144,10 @@ class ParquetSource(Source):
                     f"Parquet file {f}: cannot read it ({exc}); replace it or remove it"
                 ) from None
 
+    def close(self) -> None:
+        """Drop the kept read buffers (a held source object keeps no memory of its job)."""
+        self._buffers = BufferPool(READ_SLOTS)
+
     def _needed(self) -> list[str]:
         return list(dict.fromkeys([*self.mapping.values(), *self.keep]))
 

@@ -272,6 +272,8 @@ def test_parquet_read_buffers_are_reused_only_when_no_batch_views_them(tmp_path)
     assert len(src._buffers._free["x"]) <= len(held) + 3 < count - 2
     for at, x in held:
         np.testing.assert_array_equal(x, rows[at : at + len(x)])
+    src.close()
+    assert not src._buffers._free  # closed: nothing kept
     pool = BufferPool(2)
     a = pool.get("x", 10, np.float32)
     b = pool.get("x", 10, np.float32)
