@@ -410,3 +410,29 @@ def test_rows_that_are_a_sequence_within_a_batch_are_padded_without_a_run_time_c
     script = sch.mod.script()
     assert "_pad_local" in script and "T.int64(4) <= n" not in script and "n >= T" not in script
     assert schedule.PREPACK in script  # the weight is repacked
+
+
+def test_a_small_projection_over_batch_and_sequence_is_parallel_and_packed():
+    # Below PARALLEL_WORK per row, a kernel over a symbolic extent gets a parallel and a
+    # serial schedule chosen at run time, both with unpacked weights; over batch x sequence
+    # rows (a transformer's Q/K/V projections) it is one parallel schedule, packed.
+    from tvm.script import tirx as T
+
+    from enginekit.backends.tvm import schedule
+
+    @T.prim_func(private=True, s_tir=True)
+    def project(x_h: T.handle, w: T.Buffer((T.int64(64), T.int64(64)), "float32"), y_h: T.handle):
+        T.func_attr({"layout_free_buffers": [1]})
+        b, n = T.int64(), T.int64()
+        x = T.match_buffer(x_h, (b, n, T.int64(64)), "float32")
+        y = T.match_buffer(y_h, (b, n, T.int64(64)), "float32")
+        for i0, i, j, r in T.grid(b, n, T.int64(64), T.int64(64)):
+            with T.sblock("matmul"):
+                vb, vi, vj, vr = T.axis.remap("SSSR", [i0, i, j, r])
+                with T.init():
+                    y[vb, vi, vj] = T.float32(0)
+                y[vb, vi, vj] = y[vb, vi, vj] + x[vb, vi, vr] * w[vr, vj]
+
+    script = schedule.schedule_cpu(project, 8).mod.script()
+    assert "T.parallel" in script and schedule.PREPACK in script
+    assert "T.int64(65536)" not in script  # no run-time parallel / serial choice
