@@ -410,6 +410,8 @@ def test_rows_that_are_a_sequence_within_a_batch_are_padded_without_a_run_time_c
     script = sch.mod.script()
     assert "_pad_local" in script and "T.int64(4) <= n" not in script and "n >= T" not in script
     assert schedule.PREPACK in script  # the weight is repacked
+    # The padded rows are copied once, not selected inside the reduction loop.
+    assert "x_pad = T.sblock_alloc_buffer" in script and "T.if_then_else(vi < n" not in script
 
 
 def test_a_small_projection_over_batch_and_sequence_is_parallel_and_packed():
@@ -421,7 +423,7 @@ def test_a_small_projection_over_batch_and_sequence_is_parallel_and_packed():
     from enginekit.backends.tvm import schedule
 
     @T.prim_func(private=True, s_tir=True)
-    def project(x_h: T.handle, w: T.Buffer((T.int64(64), T.int64(64)), "float32"), y_h: T.handle):
+    def small(x_h: T.handle, w: T.Buffer((T.int64(64), T.int64(64)), "float32"), y_h: T.handle):
         T.func_attr({"layout_free_buffers": [1]})
         b, n = T.int64(), T.int64()
         x = T.match_buffer(x_h, (b, n, T.int64(64)), "float32")
@@ -433,6 +435,6 @@ def test_a_small_projection_over_batch_and_sequence_is_parallel_and_packed():
                     y[vb, vi, vj] = T.float32(0)
                 y[vb, vi, vj] = y[vb, vi, vj] + x[vb, vi, vr] * w[vr, vj]
 
-    script = schedule.schedule_cpu(project, 8).mod.script()
+    script = schedule.schedule_cpu(small, 8).mod.script()
     assert "T.parallel" in script and schedule.PREPACK in script
     assert "T.int64(65536)" not in script  # no run-time parallel / serial choice

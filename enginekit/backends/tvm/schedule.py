@@ -332,14 +332,26 @@ def _pack_weights(sch: Any, block: Any, width: int) -> int:
 
 
 def _schedule_reduction(
-    sch: Any, infos: list[Any], index: int, lanes: int, parallel: bool = True, pack: bool = True
+    sch: Any,
+    infos: list[Any],
+    index: int,
+    lanes: int,
+    parallel: bool = True,
+    pack: bool = True,
+    padded: bool = False,
 ) -> None:
     main = infos[index]
     separate = []
     for producer in infos[:index]:
         # Padding along an outer axis is a scalar select per vector step: inline it and save a
-        # pass over memory. Padding along the vectorized axis would break vectorization.
-        if not _pads_inner_axis(sch, producer.block_rv):
+        # pass over memory. Padding along the vectorized axis would break vectorization. The
+        # rows ``pad_einsum`` padded (``padded``) are copied in a pass of their own: inlined,
+        # each register row's operand was a select inside the reduction loop (a small BERT's
+        # feed-forward matmuls over symbolic rows: 1.3-1.5x slower than their static form;
+        # copied, as fast as it).
+        if not _pads_inner_axis(sch, producer.block_rv) and not (
+            padded and sch.get(producer.block_rv).name_hint.endswith("_pad")
+        ):
             try:
                 sch.compute_inline(producer.block_rv)
                 continue
@@ -617,7 +629,9 @@ def _schedule(
             if _pad_symbolic(padded, lanes, vector=True):
                 infos_p = dlight.normalize_prim_func(padded)
                 index = next(i for i, b in enumerate(infos_p) if _reduces(padded, b))
-                _schedule_reduction(padded, infos_p, index, lanes, parallel, pack=False)
+                _schedule_reduction(
+                    padded, infos_p, index, lanes, parallel, pack=False, padded=True
+                )
                 return padded
         padded = s_tir.Schedule(func) if rows is not None and choices else None
         if padded is not None and _pad_symbolic(padded, lanes, vector=False):
@@ -632,9 +646,9 @@ def _schedule(
                 # enough for the unpadded branch only at a sequence of 1 to 3. Padded alone,
                 # its constant weights are repacked (a run-time choice keeps them unpacked):
                 # a small BERT's feed-forward matmuls without static shapes ran 1.5x slower.
-                _schedule_reduction(padded, infos_p, index, lanes, parallel, pack)
+                _schedule_reduction(padded, infos_p, index, lanes, parallel, pack, padded=True)
                 return padded
-            _schedule_reduction(padded, infos_p, index, lanes, parallel, pack=False)
+            _schedule_reduction(padded, infos_p, index, lanes, parallel, pack=False, padded=True)
             _schedule_reduction(sch, infos, reductions[0], lanes, parallel, pack=False)
             return _Chosen(padded, sch, rows >= _rows_block(lanes))
         _schedule_reduction(sch, infos, reductions[0], lanes, parallel, pack)
