@@ -43,8 +43,10 @@ def test_pipelined_run_equals_naive_loop_row_for_row_on_two_inputs(ekit, tmp_pat
 
 
 def test_auto_batch_size_is_measured_within_the_profile(ekit, tmp_path):
+    # Paced (see Limited): unpaced, at load 6 the search once stopped before batch 8.
     np.save(tmp_path / "x.npy", cnn_rows(40))
-    with ek.load(ekit("cnn")) as engine:
+    with ek.load(ekit("cnn")) as inner:
+        engine = Limited(inner, limit=8, pace=0.005)
         s = ek.infer_dataset(engine, tmp_path / "x.npy", tmp_path / "out")
     choice = s.batch_choice
     assert choice is not None and s.batch_size == choice.batch_size
