@@ -9,9 +9,10 @@ through ``exp`` the same way (10.2 ns vs 1.6 ns). The approximations are accurat
 4e-7 absolute over float32 (erf; tanh 3e-7, and relative near 0 better than the exp-based
 form), well inside every fp32 verification tolerance.
 
-``exp`` (softmax, sigmoid) is left exact: TVM's ``fast_exp`` clamps its argument, so
-``exp(-inf)`` and NaN inputs would not come out as 0 and NaN, which masked softmax and its
-all-masked-row check rely on.
+Softmax gets ``fast_exp`` too (its exponentials cost more than the rest of the kernel), but
+TVM's ``fast_exp`` clamps its argument, so ``exp(-inf)`` and NaN would not come out as 0 and
+NaN, which masked softmax and its all-masked-row check rely on: :func:`_softmax` selects 0
+and NaN at those inputs itself. Every other ``exp`` (sigmoid, SiLU) is left exact.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _kernel(name: str) -> Any:
 
 
 def fast_math(mod: Any) -> Any:
-    """``mod`` with each float32 ``erf``, ``tanh`` and GELU computed by TVM's vectorizable
+    """``mod`` with each float32 ``erf``, ``tanh``, GELU and softmax computed by TVM's vectorizable
     approximation (a TE kernel in place of the op; other dtypes are left as they are)."""
     from tvm import relax
     from tvm.relax import PyExprMutator, expr_functor
