@@ -170,3 +170,12 @@ def test_the_overload_cell_alone_counts_the_engines_own_cpu_per_full_batch(scrip
     assert timed.calls == 0
     timed.infer(rng.standard_normal((4, 3, 16, 16)).astype(np.float32))
     assert timed.calls == 1 and timed.per_call()["engine_cpu_ms"] >= 0
+
+
+def test_steal_share_is_the_stolen_part_of_all_cpu_time_between_two_readings(script):
+    assert script.steal_share((10, 1000), (30, 1200)) == pytest.approx(0.1)
+    assert script.steal_share(None, (30, 1200)) is None
+    assert script.steal_share((30, 1200), (30, 1200)) is None
+    ticks = script.cpu_ticks()
+    if ticks is not None:  # Linux: stolen ticks are a part of all ticks
+        assert 0 <= ticks[0] <= ticks[1]
