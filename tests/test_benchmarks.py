@@ -114,3 +114,23 @@ def test_weights_map_in_order_and_a_file_for_another_model_is_refused(int8_accur
         int8_accuracy.map_weights(ours, swapped, source="w.pth")
     with pytest.raises(int8_accuracy.WeightsError, match="expected 5 weight tensors .* found 4"):
         int8_accuracy.map_weights(ours, dict(list(theirs.items())[:4]), source="w.pth")
+
+
+def test_tvm_bench_goals_include_the_dynamic_shape_speed_fraction():
+    script = load_script(ROOT / "benchmarks" / "tvm_bench.py", "bench_tvm")
+
+    def row(ms):
+        return {"ms": ms, "ratio": {b: 1.0 for b in ms}}
+
+    report = {
+        "bert": {
+            "onnxruntime": row({1: 1.0, 16: 10.0}),
+            "tvm": row({1: 0.5, 16: 5.0}),
+            "tvm dynamic only": row({1: 0.6, 16: 8.0}),
+        }
+    }
+    goal = next(g for g in script.goals(report) if "dynamic only" in g["goal"])
+    # 0.5 / 0.6 = 0.83 at batch 1, 5 / 8 = 0.625 at batch 16: the worst decides
+    assert goal["worst_ratio"] == pytest.approx(0.625) and not goal["met"]
+    report["bert"]["tvm dynamic only"] = row({1: 0.55, 16: 6.0})
+    assert next(g for g in script.goals(report) if "dynamic only" in g["goal"])["met"]
