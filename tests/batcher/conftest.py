@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import pytest
-from batcher_engines import build
+
+from .batcher_engines import build
 
 
 @pytest.fixture(scope="session")

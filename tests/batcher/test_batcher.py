@@ -11,10 +11,11 @@ import time
 
 import numpy as np
 import pytest
-from batcher_engines import Held, build, rows
 from models import CASES
 
 import enginekit as ek
+
+from .batcher_engines import Held, build, rows
 
 
 @pytest.fixture(scope="module")

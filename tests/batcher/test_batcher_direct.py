@@ -9,10 +9,11 @@ import time
 
 import numpy as np
 import pytest
-from batcher_engines import POISON, Held, rows
 from models import CASES
 
 import enginekit as ek
+
+from .batcher_engines import POISON, Held, rows
 
 
 class Threads(Held):

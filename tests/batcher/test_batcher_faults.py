@@ -9,9 +9,10 @@ import time
 
 import numpy as np
 import pytest
-from batcher_engines import POISON, Held, build, rows
 
 import enginekit as ek
+
+from .batcher_engines import POISON, Held, build, rows
 
 
 @pytest.fixture

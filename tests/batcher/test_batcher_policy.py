@@ -6,10 +6,11 @@ import math
 import re
 
 import pytest
-from batcher_engines import build, rows
 
 import enginekit as ek
 from enginekit.batcher.policy import ArrivalRate, CostModel, decide, pow2_sizes, take_size
+
+from .batcher_engines import build, rows
 
 
 def test_cost_model_recovers_fixed_and_per_row_time():

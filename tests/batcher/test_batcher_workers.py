@@ -9,12 +9,13 @@ import time
 
 import numpy as np
 import pytest
-from batcher_engines import BLOCK, Blocking, build, ort_cpu, rows
 from models import CASES
 
 import enginekit as ek
 from enginekit.batcher import defaults
 from enginekit.batcher.defaults import engine_concurrency
+
+from .batcher_engines import BLOCK, Blocking, build, ort_cpu, rows
 
 
 def test_auto_follows_what_the_engine_build_says(cnn, monkeypatch):
