@@ -168,8 +168,12 @@ class Batcher(EngineThreads, HelperThread, StandbyThreads, DirectRun):
         self._wake_at = math.inf  # when a waiting worker looks again by itself
         self._timer_at = math.inf  # when the helper looks for expired requests by itself
         self._closing = False
-        # A full batch the helper collated while every worker was in the engine.
-        self._prepared: Prepared | None = None
+        # Full batches the helper collated while every worker was in the engine (at most one
+        # at a time). A queue, not an attribute under the lock: a worker leaving the engine
+        # takes one with a single atomic get, without the lock that submit() and the helper
+        # hold often (under overload it found the lock held at ~45% of its calls, then
+        # blocked on it and on the interpreter lock after it).
+        self._handoff: queue.SimpleQueue[Prepared] = queue.SimpleQueue()
         self._preparing = False
         self._buffer_sets: list[dict[Any, np.ndarray]] = []  # collation arrays not in use
         if warmup:
@@ -259,7 +263,7 @@ class Batcher(EngineThreads, HelperThread, StandbyThreads, DirectRun):
                     self._wake_newest()
             elif self._standby_idle and self._standby_gap < math.inf and self._quiet(now):
                 self._standby_cv.notify()
-            elif rows == self.max_batch_size and self._prepared is None:
+            elif rows == self.max_batch_size and self._handoff.empty():
                 self._done.put(("wake",))  # every worker is busy: the helper collates it
             if request.deadline < self._timer_at:
                 self._timer_at = request.deadline

@@ -54,7 +54,7 @@ class DirectRun:
     _idle: int  # workers waiting on the queue
     _lent: int  # of those, how many lent their slot to a caller running the engine itself
     _closing: bool
-    _prepared: Any
+    _handoff: Any
     _preparing: bool
     _threads: list[threading.Thread]
 
@@ -76,7 +76,7 @@ class DirectRun:
                 self._closing
                 or self._idle <= self._lent
                 or self._queue.count
-                or self._prepared is not None
+                or not self._handoff.empty()
                 or self._preparing
                 or not decide(
                     request.rows,
@@ -124,5 +124,5 @@ class DirectRun:
                 # this call before they end).
                 if self._closing:
                     self._cv.notify_all()
-                elif self._queue.count or self._prepared is not None:
+                elif self._queue.count or not self._handoff.empty():
                     self._wake_newest()

@@ -45,7 +45,7 @@ class HelperThread:
     _idle: int
     _lent: int  # idle workers' slots lent to callers (DirectRun)
     _timer_at: float
-    _prepared: Prepared | None
+    _handoff: queue.SimpleQueue[Prepared]  # collated full batches for the workers
     _preparing: bool
     _buffer_sets: list[dict[Any, np.ndarray]]
     _due: list[float]  # per engine thread: when its running call is expected to end
@@ -80,7 +80,7 @@ class HelperThread:
         with self._cv:
             q = self._queue
             if (
-                self._prepared is not None
+                not self._handoff.empty()
                 or self._preparing
                 or self._idle > self._lent
                 or not q.count
@@ -97,7 +97,7 @@ class HelperThread:
         with self._cv:
             self._preparing = False
             if live:
-                self._prepared = (live, feeds, rows, buffers)
+                self._handoff.put((live, feeds, rows, buffers))
                 self._metrics.prepared += 1
             else:
                 self._buffer_sets.append(buffers)

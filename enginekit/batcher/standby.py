@@ -15,6 +15,7 @@ of :class:`enginekit.batcher.core.Batcher`, whose constructor sets the state dec
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
 
@@ -50,7 +51,7 @@ class StandbyThreads:
     _metrics: Metrics
     _cost: CostModel
     _arrivals: ArrivalRate
-    _prepared: Prepared | None
+    _handoff: queue.SimpleQueue[Prepared]
     _preparing: bool
 
     def _ready(self, now: float) -> tuple[list[Request] | None, float, dict[Key, int]]:
@@ -81,7 +82,7 @@ class StandbyThreads:
             if (
                 q.count
                 and self._idle <= self._lent
-                and self._prepared is None
+                and self._handoff.empty()
                 and not self._preparing
                 and self._quiet(now)
             ):

@@ -55,7 +55,7 @@ class EngineThreads:
     _metrics: Metrics
     _layout: Layout
     _buffer_sets: list[dict[Any, np.ndarray]]
-    _prepared: Prepared | None
+    _handoff: queue.SimpleQueue[Prepared]
     _preparing: bool
     _closing: bool
     _running: int
@@ -78,17 +78,31 @@ class EngineThreads:
         which resolves the futures while this one runs the next batch. Returns once closing
         and nothing is left to run (a standby thread: once closing)."""
         engine, lock, done, due, cost = self.engine, self._lock, self._done, self._due, self._cost
+        handoff, q = self._handoff, self._queue
         give_back = False  # the last batch's collation arrays go back to the pool
         buffers: dict[Any, np.ndarray] = {}
         while True:
-            with lock:  # the Condition's lock, entered without its Python-level __enter__
-                if give_back:
+            taken: Taken | None = None
+            # A batch the helper collated, taken without the lock when nothing else needs
+            # looking at (no lent slot, no deadlines: hints, read without the lock; the locked
+            # path below handles both): under overload, the common case between two calls.
+            if not standby and not self._lent and not q.has_deadlines:
+                try:
+                    taken = None, [], handoff.get_nowait()
+                except queue.Empty:
+                    pass
+            if taken is not None:
+                if give_back:  # list.append is atomic; the others pop under the lock
                     self._buffer_sets.append(buffers)
-                taken = self._take_standby() if standby else self._take()
-                if taken is not None and taken[0] is not None:
-                    buffers = self._buffer_sets.pop() if self._buffer_sets else {}
-            if taken is None:
-                break
+            else:
+                with lock:  # the Condition's lock, entered without its Python-level __enter__
+                    if give_back:
+                        self._buffer_sets.append(buffers)
+                    taken = self._take_standby() if standby else self._take()
+                    if taken is not None and taken[0] is not None:
+                        buffers = self._buffer_sets.pop() if self._buffer_sets else {}
+                if taken is None:
+                    break
             requests, expired, prepared = taken
             if expired:
                 done.put(("expired", expired))
@@ -118,7 +132,7 @@ class EngineThreads:
             # Reads without the lock: a hint is enough here. A few futures cost less to resolve
             # here than waking the helper does (a thread switch, and the interpreter lock
             # taken from this thread just as it starts the next batch).
-            if len(live) > INLINE_RESOLVE and (self._queue.count or self._prepared is not None):
+            if len(live) > INLINE_RESOLVE and (self._queue.count or not self._handoff.empty()):
                 # The helper resolves and accounts for the batch (the cost model, the metrics):
                 # between two engine calls this thread only picks up the next batch.
                 give_back = True
@@ -165,10 +179,10 @@ class EngineThreads:
             expired = q.expire(now) if q.has_deadlines else []
             if expired:
                 self._metrics.outcomes["expired"] += len(expired)
-            prepared = self._prepared
-            if prepared is not None:
-                self._prepared = None
-                return None, expired, prepared
+            try:
+                return None, expired, self._handoff.get_nowait()
+            except queue.Empty:
+                pass
             if self._preparing:  # the helper collates the oldest rows: run them first
                 if expired:
                     return [], expired, None

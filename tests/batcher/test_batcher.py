@@ -271,6 +271,28 @@ def test_the_next_full_batch_is_collated_while_the_engine_runs():
     np.testing.assert_array_equal(got, x)  # in order, nothing overwritten
 
 
+def test_a_worker_takes_the_collated_batch_without_the_lock():
+    # Under overload submit() and the helper hold the lock often: a worker leaving the engine
+    # must not wait for it to start the batch the helper collated meanwhile.
+    release = threading.Event()
+    engine = Echo(second_call=release)
+    x = np.arange(72, dtype=np.float32).reshape(24, 3)  # three full batches of 8
+    with ek.Batcher(engine, max_batch_size=8, max_delay_ms=5_000, adaptive=False) as batcher:
+        futures = [batcher.submit(row) for row in x]
+        assert engine.entered.wait(10)  # the second is held inside the engine
+        deadline = time.monotonic() + 10
+        while batcher.stats()["prepared_batches"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with batcher._lock:  # held by "another thread" while the second call ends
+            release.set()
+            deadline = time.monotonic() + 5
+            while engine.calls < 3 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert engine.calls == 3  # the third batch started with the lock still held
+        got = np.stack([f.result(timeout=10)["y"] for f in futures])
+    np.testing.assert_array_equal(got, x)
+
+
 def test_a_dict_sample_seen_before_skips_checks_but_not_validation(two):
     rng = np.random.default_rng(1)
     a = rng.standard_normal(8).astype(np.float32)
