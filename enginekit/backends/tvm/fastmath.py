@@ -24,6 +24,9 @@ FAST = ("relax.erf", "relax.tanh", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax
 #: Below this, TVM's ``fast_exp`` clamps its argument (``exp(-88.38)`` is float32's smallest
 #: normal number): softmax takes 0 there, as ``exp`` does.
 _EXP_FLOOR = -88.0
+#: Running results per row of a reduction over a symbolic axis (:func:`_split_reduce`): two
+#: AVX2 vectors, or one AVX-512 vector, of float32.
+_PARTS = 16
 
 
 def _softmax(x: Any, axis: int = -1) -> Any:
@@ -45,7 +48,12 @@ def _softmax(x: Any, axis: int = -1) -> Any:
     def at(indices: Any, k: Any) -> tuple[Any, ...]:
         return (*indices[:axis], k, *indices[axis:])
 
-    top = te.compute(reduced, lambda *i: te.max(x[at(i, k1)], axis=k1), name="T_softmax_maxelem")
+    if axis == len(shape) - 1 and not isinstance(shape[axis], tirx.IntImm):
+        top = _split_reduce(reduced, shape[axis], lambda i, k: x[(*i, k)], te.max, "maxelem")
+    else:
+        top = te.compute(
+            reduced, lambda *i: te.max(x[at(i, k1)], axis=k1), name="T_softmax_maxelem"
+        )
     delta = te.compute(shape, lambda *i: x[i] - top[row(i)], name="T_softmax_delta")
     fast = topi.fast_exp(delta)
     exp = te.compute(
@@ -57,10 +65,56 @@ def _softmax(x: Any, axis: int = -1) -> Any:
         ),
         name="T_softmax_exp",
     )
-    total = te.compute(reduced, lambda *i: te.sum(exp[at(i, k2)], axis=k2), name="T_softmax_expsum")
+    if axis == len(shape) - 1 and not isinstance(shape[axis], tirx.IntImm):
+        total = _split_reduce(reduced, shape[axis], lambda i, k: exp[(*i, k)], te.sum, "expsum")
+    else:
+        total = te.compute(
+            reduced, lambda *i: te.sum(exp[at(i, k2)], axis=k2), name="T_softmax_expsum"
+        )
     return te.compute(
         shape, lambda *i: exp[i] / total[row(i)], name="T_softmax_norm", attrs={"axis": axis}
     )
+
+
+def _split_reduce(reduced: Any, n: Any, value: Any, op: Any, name: str) -> Any:
+    """``op`` (``te.max``, ``te.sum``) of ``value(i, k)`` over ``k`` in ``[0, n)`` for each row
+    ``i`` of ``reduced``, ``n`` symbolic: :data:`_PARTS` running results per row over the
+    whole multiples of :data:`_PARTS` (a vector loop the schedule vectorizes), combined, then
+    the tail of fewer than :data:`_PARTS` elements one by one, then both combined.
+
+    Over one symbolic loop the reduction was a chain of dependent scalar adds (or max), one
+    FP latency per element: a softmax over 2048 rows of 32 spent most of its time there.
+    Each reduction runs one more step than it has elements, that step adding ``op``'s
+    identity: a TIR reduction's init runs inside its first iteration, so a loop of none (a
+    row shorter than :data:`_PARTS`, or no tail) would leave its result unset.
+    """
+    from tvm import te, tirx
+
+    index = str(n.ty)
+    parts = tirx.const(_PARTS, index)
+    whole = tirx.floordiv(n, parts)
+    main, rest = whole * parts, tirx.floormod(n, parts)
+    none = tirx.const(0.0, "float32") if op is te.sum else tirx.min_value("float32")
+    ko = te.reduce_axis((tirx.const(0, index), whole + 1), name="ko")
+    part = te.compute(
+        (*reduced, parts),
+        lambda *i: op(
+            tirx.if_then_else(ko < whole, value(i[:-1], ko * parts + i[-1]), none), axis=ko
+        ),
+        name=f"T_softmax_{name}_part",
+    )
+    kp = te.reduce_axis((tirx.const(0, index), parts), name="kp")
+    head = te.compute(
+        reduced, lambda *i: op(part[(*i, kp)], axis=kp), name=f"T_softmax_{name}_head"
+    )
+    kt = te.reduce_axis((tirx.const(0, index), rest + 1), name="kt")
+    tail = te.compute(
+        reduced,
+        lambda *i: op(tirx.if_then_else(kt < rest, value(i, main + kt), none), axis=kt),
+        name=f"T_softmax_{name}_tail",
+    )
+    both = tirx.max if op is te.max else tirx.Add
+    return te.compute(reduced, lambda *i: both(head[i], tail[i]), name=f"T_softmax_{name}")
 
 
 def _kernel(name: str) -> Any:
