@@ -717,8 +717,11 @@ def _vectorize_partial(sch: Any, block: Any) -> None:
     if len(lanes) != 1:
         return
     red = [lp for lp, r in zip(loops, reduce) if r]
-    sch.reorder(*red, lanes[0])
-    sch.vectorize(lanes[0])
+    try:
+        sch.reorder(*red, lanes[0])
+        sch.vectorize(lanes[0])
+    except Exception:  # bindings TVM cannot prove affine (an int32 dim among int64 ones)
+        log.debug("split reduction %s left unvectorized", sch.get(block).name_hint)
 
 
 def _shared_with_a_reduction(sch: Any, block: Any) -> bool:
