@@ -298,7 +298,7 @@ def ceiling_beside(
 ) -> dict[str, Any]:
     """ceiling_slice beside the load generator, with the engine's own CPU per call (InEngine)
     added to its engine thread's accounting, as the batcher cell's is."""
-    timed = InEngine(engine, rows)
+    timed = InEngine(engine, rows, skip=1)  # not ceiling_slice's warm-up call
     out = ceiling_slice(timed, batch, rows, seconds, rate, streams)
     if "engine_thread" in out:
         out["engine_thread"].update(timed.per_call())
@@ -350,9 +350,9 @@ class InEngine(ek.Engine):
     batcher and in the ceiling unless the work beside it on the other cores slows the engine
     down (shared caches, memory bandwidth, or vCPUs that are SMT siblings)."""
 
-    def __init__(self, inner: ek.Engine, rows: int) -> None:
+    def __init__(self, inner: ek.Engine, rows: int, skip: int = 0) -> None:
         super().__init__(inner.inputs, inner.outputs, inner.profiles, inner.manifest)
-        self.inner, self.rows = inner, rows
+        self.inner, self.rows, self.skip = inner, rows, skip  # skip: first calls not counted
         self.cpu, self.wall, self.calls = 0.0, 0.0, 0
 
     def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -360,23 +360,38 @@ class InEngine(ek.Engine):
             return self.inner._run(feeds)
         cpu, wall = time.thread_time(), time.perf_counter()
         out = self.inner._run(feeds)  # validated already by this wrapper's infer()
+        if self.skip > 0:
+            self.skip -= 1
+            return out
         self.cpu += time.thread_time() - cpu
         self.wall += time.perf_counter() - wall
         self.calls += 1  # += on an int attribute: several threads may lose a count, harmless
         return out
 
-    def per_call(self) -> dict[str, float]:
-        n = self.calls or math.nan  # nan: no full batch ran
-        return {"engine_cpu_ms": self.cpu / n * 1e3, "engine_wall_ms": self.wall / n * 1e3}
+    def totals(self) -> np.ndarray:
+        """[CPU s, wall s, calls] so far: two samples give a window's per_call."""
+        return np.array([self.cpu, self.wall, self.calls], dtype=float)
+
+    def per_call(self, since: np.ndarray | None = None) -> dict[str, float]:
+        """The engine's own CPU and wall time per full batch, over the whole run or (with
+        ``since``, a totals() sample) since then."""
+        cpu, wall, calls = self.totals() - (0.0 if since is None else since)
+        n = calls or math.nan  # nan: no full batch ran
+        return {"engine_cpu_ms": cpu / n * 1e3, "engine_wall_ms": wall / n * 1e3}
 
 
 class EngineThreadSampler(threading.Thread):
     """Samples a Batcher's first worker (thread_sched) and its batch count from ``start`` to
-    ``end`` seconds after it starts: the engine thread's accounting while the generator runs."""
+    ``end`` seconds after it starts: the engine thread's accounting while the generator runs,
+    with ``in_engine``'s own CPU per full batch over the same window (over the whole cell
+    instead, the two spans differ, and on a loaded host the engine's CPU for the same batch
+    differs between them by more than the Python around the call)."""
 
-    def __init__(self, batcher: ek.Batcher, start: float, end: float) -> None:
+    def __init__(
+        self, batcher: ek.Batcher, start: float, end: float, in_engine: InEngine | None = None
+    ) -> None:
         super().__init__(daemon=True)
-        self.batcher, self.window = batcher, (start, end)
+        self.batcher, self.window, self.in_engine = batcher, (start, end), in_engine
         self.result: dict[str, float] | None = None
 
     def run(self) -> None:
@@ -386,12 +401,16 @@ class EngineThreadSampler(threading.Thread):
         )
         if worker is None or worker.native_id is None:
             return
+        totals = self.in_engine.totals if self.in_engine is not None else lambda: None
         time.sleep(self.window[0])
         before, batches = thread_sched(worker.native_id), self.batcher.stats()["batches"]
+        engine_before = totals()
         time.sleep(self.window[1] - self.window[0])
         after, batches = thread_sched(worker.native_id), self.batcher.stats()["batches"] - batches
         if before is not None and after is not None and batches > 0:
             self.result = per_call(before, after, batches)
+            if self.in_engine is not None:
+                self.result.update(self.in_engine.per_call(since=engine_before))
 
 
 def _mark(future: concurrent.futures.Future) -> None:
@@ -583,7 +602,9 @@ def run_model(
         ) as batcher:
             sampler = None
             if top:  # the engine thread while the generator runs (10%..90% of its span)
-                sampler = EngineThreadSampler(batcher, 0.1 * count / rate, 0.9 * count / rate)
+                sampler = EngineThreadSampler(
+                    batcher, 0.1 * count / rate, 0.9 * count / rate, in_engine
+                )
                 sampler.start()
             cpu = time.process_time()
             cell: dict[str, Any] = open_loop(
@@ -595,8 +616,6 @@ def run_model(
                 sampler.join()
                 if sampler.result is not None:
                     cell["engine_thread"] = sampler.result
-                    assert in_engine is not None
-                    cell["engine_thread"].update(in_engine.per_call())
         cells = [("pool", pool_cell), ("batcher", cell)]
         reasons: dict[str, dict[str, int]] = {}
         if low:

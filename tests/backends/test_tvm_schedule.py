@@ -25,6 +25,7 @@ def test_matmul_over_a_symbolic_batch_gets_a_padded_row_block_and_an_unpadded_br
     from enginekit.backends.tvm import schedule
 
     fused, lanes = _fused(mlp_path)
+    rows = schedule._rows_block(lanes)  # 4 with AVX2's 8 lanes, 8 with AVX-512's 16
     scripts = {
         gv.name_hint: schedule.schedule_cpu(func, lanes).mod.script()
         for gv, func in fused.functions_items()
@@ -35,7 +36,7 @@ def test_matmul_over_a_symbolic_batch_gets_a_padded_row_block_and_an_unpadded_br
         # Rows padded to the register block (no predicate inside the K loop), chosen at run
         # time against the plain schedule for a batch below the block.
         assert "_pad_local" in script, name
-        assert "batch >= T.int64(4)" in script or "T.int64(4) <= batch" in script, name
+        assert f"batch >= T.int64({rows})" in script or f"T.int64({rows}) <= batch" in script, name
         assert "parallel" in script and "vectorized" in script, name
 
 
@@ -245,7 +246,7 @@ def test_repacked_weights_are_folded_at_build_and_give_the_reference_result():
     import tvm
     from tvm import relax
 
-    from enginekit.backends.tvm import lower
+    from enginekit.backends.tvm import lower, schedule
 
     rng = np.random.default_rng(0)
     x = relax.Var("x", relax.TensorType((1, 4, 4, 32), "float32"))
@@ -282,7 +283,10 @@ def test_repacked_weights_are_folded_at_build_and_give_the_reference_result():
     (kernel,) = lower.kernel_summary(scheduled)
     assert kernel["name"] == "fused_conv2d_relu"  # the manifest's name, before scheduling
     func = next(f for gv, f in scheduled.functions_items() if gv.name_hint.endswith("prepacked"))
-    assert [int(d) for d in func.params[1].shape] == [4, 3, 3, 32, 16]
+    # Output-channel tiles of whole vectors: 16 channels on AVX2, 32 on AVX-512.
+    *outer, tile = (int(d) for d in func.params[1].shape)
+    assert tile % schedule.vector_lanes(target) == 0 and tile < 64, tile
+    assert outer == [64 // tile, 3, 3, 32]
     vm = relax.VirtualMachine(tvm.compile(scheduled, target=target), tvm.cpu())
     data = rng.standard_normal((1, 4, 4, 32)).astype("float32")
     got = vm["main"](tvm.runtime.tensor(data)).numpy()

@@ -170,6 +170,15 @@ def test_the_overload_cell_alone_counts_the_engines_own_cpu_per_full_batch(scrip
     assert timed.calls == 0
     timed.infer(rng.standard_normal((4, 3, 16, 16)).astype(np.float32))
     assert timed.calls == 1 and timed.per_call()["engine_cpu_ms"] >= 0
+    # A window's per_call counts only the calls since its sample (the sampler's 10-90% span
+    # of the cell, the span of the engine thread's own accounting); skip leaves out warm-ups.
+    since = timed.totals()
+    assert np.isnan(timed.per_call(since=since)["engine_cpu_ms"])  # no call in the window yet
+    timed.infer(rng.standard_normal((4, 3, 16, 16)).astype(np.float32))
+    assert timed.totals()[2] - since[2] == 1
+    warm = script.InEngine(cnn, 4, skip=1)
+    warm.infer(rng.standard_normal((4, 3, 16, 16)).astype(np.float32))
+    assert warm.calls == 0 and warm.cpu == 0
 
 
 def test_steal_share_is_the_stolen_part_of_all_cpu_time_between_two_readings(script):
