@@ -354,7 +354,7 @@ class Column:
             return page
         import pyarrow as pa
 
-        return memoryview(pa.decompress(page, size, codec=self.codec))
+        return memoryview(pa.decompress(page, size, codec=self.codec)).cast("B")
 
     def _page_v1(self, h: dict[int, Any], raw: memoryview) -> np.ndarray:
         n, encoding = h[1], h[2]
