@@ -663,11 +663,23 @@ def main() -> None:
             f"{name:9}  {f(r['b_median']):>13}  {f(r['c_median']):>16}  "
             f"{r['b_median'] / best_c:8.2f}  {r['b_median'] / a:5.2f}  {r['b_cpu_median']:11.3f} s  "
             f"{r['c_cpu_median']:5.3f}  read {st['read']:.2f} s (cpu {st['read_cpu']:.2f}), "
-            f"infer {st['infer']:.2f}, write {st['write']:.2f}, first batch "
+            f"infer {st['infer']:.2f} (cpu {st['infer_cpu']:.2f}), write {st['write']:.2f} "
+            f"(cpu {st['write_cpu']:.2f}), first batch "
             f"{st['first_batch']:.3f}, waits in {st['wait_input']:.2f} out "
             f"{st['wait_output']:.2f}: {st['bottleneck']}"
         )
         print(f"{'':9}  rounds' (c): {', '.join(f(c) for c in r['c'])}")
+        if name == chosen:
+            # Per-thread CPU of each of (b)'s rounds: what the reader and writer spend beside
+            # the engine's threads (streams: the whole engine; one stream: its calling thread).
+            beside = [
+                (s["read_cpu"] + s["write_cpu"]) / s["infer_cpu"] for s in r["stages"] if s["infer_cpu"]
+            ]  # fmt: skip
+            if beside:
+                print(
+                    f"{'':9}  (b)'s reader + writer CPU / its engine threads' CPU, per round: "
+                    f"{', '.join(f'{v:.1%}' for v in beside)}; median {np.median(beside):.1%}"
+                )
     print(
         f"goal: (b) {chosen} / (c) {best_name} (the best median (c)), per round: "
         f"{', '.join(f'{v:.2f}' for v in goal['ratios'])}; median {goal['ratio']:.2f}"

@@ -133,20 +133,35 @@ def _unpack(data: bytes | memoryview, width: int, count: int) -> np.ndarray:
     if width in (8, 16, 32) and len(data) >= count * width // 8:  # whole bytes: a view
         dtype = {8: "<u1", 16: "<u2", 32: "<u4"}[width]
         return np.frombuffer(data, dtype, count).astype(np.uint32)
+    padded = _padded(-(-count // 8) * width)
+    got = np.frombuffer(data, np.uint8, min(len(data), len(padded) - 8))
+    padded[: len(got)] = got
+    padded[len(got) :] = 0
+    return _unpack_padded(padded, width, count)
+
+
+def _padded(size: int) -> np.ndarray:
+    """An uninitialised byte array of ``size`` bytes and 8 more (the last word read of
+    :func:`_unpack_padded` may reach past the packed bytes)."""
+    return np.empty(size + 8, np.uint8)
+
+
+def _unpack_padded(padded: np.ndarray, width: int, count: int) -> np.ndarray:
+    """:func:`_unpack` of bytes already in one array with 8 bytes to spare after the packed
+    ones (zero from the first byte past them: a run cut short reads as zeros)."""
     # Eight values fill exactly ``width`` bytes, so value j of every group starts at the same
     # byte and bit: read each as one little-endian word through a strided view of the bytes
     # (no per-value gathers, no per-bit arrays: a page holds ~10^5 dictionary indices).
     groups = -(-count // 8)
     word = np.dtype("<u4") if width <= 25 else np.dtype("<u8")  # 7 bits of shift + width fit
-    padded = bytearray(groups * width + 8)
-    got = memoryview(data)[: groups * width]
-    padded[: len(got)] = got
     out = np.empty((groups, 8), np.uint32)
+    tmp = np.empty(groups, word)
     mask = word.type((1 << width) - 1)
     for j in range(8):
         first, shift = divmod(j * width, 8)
         view = np.ndarray((groups,), word, padded, offset=first, strides=(width,))
-        out[:, j] = (view >> word.type(shift)) & mask
+        np.right_shift(view, word.type(shift), out=tmp)
+        np.bitwise_and(tmp, mask, out=out[:, j], casting="unsafe")
     return out.reshape(-1)[:count]
 
 
@@ -174,7 +189,7 @@ def hybrid(buf: memoryview, pos: int, end: int, width: int, count: int) -> np.nd
     bit-packed runs' bytes are joined and unpacked at once, and the RLE runs repeated at once.
     """
     nbytes = (width + 7) // 8
-    packed: list[bytes | memoryview] = []  # the bytes of each bit-packed run, in order
+    packed: list[np.ndarray] = []  # the bytes of each bit-packed run, in order
     lengths: list[int] = []  # values in each run, in order
     is_packed: list[bool] = []
     rle: list[int] = []  # each RLE run's value, in order
@@ -192,14 +207,14 @@ def hybrid(buf: memoryview, pos: int, end: int, width: int, count: int) -> np.nd
             # all of those that follow are taken at once, their header bytes cut off by a view.
             stride = 1 + 63 * width
             rows = np.frombuffer(buf, np.uint8, k * stride, pos - 1).reshape(k, stride)
-            packed.append(rows[:, 1:].tobytes())
+            packed.append(rows[:, 1:])  # copied once, into the bytes to unpack
             n = k * 504
             pos += k * stride - 1
         elif head & 1:
             size = (head >> 1) * width
             if pos + size > end:
                 size = end - pos  # a final run may be cut short after its last value
-            packed.append(buf[pos : pos + size])
+            packed.append(np.frombuffer(buf, np.uint8, size, pos))
             n = (head >> 1) * 8
             pos += size
         else:
@@ -210,16 +225,36 @@ def hybrid(buf: memoryview, pos: int, end: int, width: int, count: int) -> np.nd
         lengths.append(n)
         got += n
     if not rle:
-        return _unpack(b"".join(packed), width, got)[:count]
+        return _unpack_runs(packed, width, got)[:count]
     if not packed:
         return np.repeat(np.array(rle, np.uint32), lengths)[:count]
     flags = np.array(is_packed)
     sizes = np.array(lengths, np.int64)
     out = np.empty(got, np.uint32)
     where = np.repeat(flags, sizes)
-    out[where] = _unpack(b"".join(packed), width, int(sizes[flags].sum()))
+    out[where] = _unpack_runs(packed, width, int(sizes[flags].sum()))
     out[~where] = np.repeat(np.array(rle, np.uint32), sizes[~flags])
     return out[:count]
+
+
+def _unpack_runs(runs: list[np.ndarray], width: int, count: int) -> np.ndarray:
+    """The ``count`` values of bit-packed runs, in order: their bytes copied once, into one
+    array with room to read whole words (not joined, then copied again)."""
+    if not width:
+        return np.zeros(count, np.uint32)
+    if width > 32:
+        raise Unsupported(f"bit width {width}")
+    size = sum(r.size for r in runs)
+    padded = _padded(max(size, -(-count // 8) * width))
+    at = 0
+    for r in runs:
+        padded[at : at + r.size].reshape(r.shape)[...] = r
+        at += r.size
+    padded[at:] = 0
+    if width in (8, 16, 32):
+        dtype = {8: "<u1", 16: "<u2", 32: "<u4"}[width]
+        return padded[: count * width // 8].view(dtype).astype(np.uint32)
+    return _unpack_padded(padded, width, count)
 
 
 def all_equal(buf: memoryview, pos: int, end: int, width: int, count: int, value: int) -> bool:
@@ -319,7 +354,7 @@ class Column:
             return page
         import pyarrow as pa
 
-        return memoryview(pa.decompress(page, size, codec=self.codec))
+        return memoryview(pa.decompress(page, size, codec=self.codec)).cast("B")
 
     def _page_v1(self, h: dict[int, Any], raw: memoryview) -> np.ndarray:
         n, encoding = h[1], h[2]

@@ -264,8 +264,10 @@ def _map(f: Path) -> memoryview:
     import pyarrow as pa
 
     # pyarrow's map: its buffer keeps the mapping alive for as long as any view of it (the
-    # arrays handed on are copies, so none outlives the read).
-    return memoryview(pa.memory_map(str(f), "r").read_buffer())
+    # arrays handed on are copies, so none outlives the read). Unsigned bytes: a pyarrow
+    # buffer's view indexes as signed ones, which turn a Thrift field header of 0x80 or more
+    # (a field id 8 or more past the last) negative, and each index costs more.
+    return memoryview(pa.memory_map(str(f), "r").read_buffer()).cast("B")
 
 
 def _leaf_count(t: Any) -> int:

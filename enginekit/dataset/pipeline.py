@@ -52,7 +52,11 @@ class StageTimes:
     ``read``/``infer``/``write``: time each stage spent working (wall clock inside its thread;
     on Ray, ``infer`` is the driver waiting for Ray's results: reading and the engine both
     run there). ``read_cpu``/``write_cpu``: CPU the reader's and writer's threads used
-    (decoding inside pyarrow's or Pillow's own threads is not counted). ``first_batch``: until
+    (decoding inside pyarrow's or Pillow's own threads is not counted). ``infer_cpu``: CPU
+    the threads that call the engine used, all streams together: the whole engine when each
+    call runs on its caller's thread (one thread per call, as ``streams`` > 1 loads it), not
+    the worker threads of an engine's own pool; with ``read_cpu`` and ``write_cpu``, the CPU
+    the pipeline spends beside the engine. ``first_batch``: until
     the engine had its first batch (start-up: opening files, Ray's actors). ``wait_input``,
     ``wait_output``: the engine idle afterwards, waiting for a batch or for room in the
     writer's queue.
@@ -61,6 +65,7 @@ class StageTimes:
     read: float = 0.0
     read_cpu: float = 0.0
     infer: float = 0.0
+    infer_cpu: float = 0.0
     write: float = 0.0
     write_cpu: float = 0.0
     first_batch: float = 0.0
@@ -107,7 +112,10 @@ class StageTimes:
         if self.remote:
             work = f"Ray (reading + engine) {self.infer:.2f} s, first result after {self.first_batch:.2f} s"
         else:
-            work = f"read {self.read:.2f} s (cpu {self.read_cpu:.2f}), infer {self.infer:.2f} s"
+            work = (
+                f"read {self.read:.2f} s (cpu {self.read_cpu:.2f}), infer {self.infer:.2f} s "
+                f"(cpu {self.infer_cpu:.2f})"
+            )
         return (
             f"stages: {work}, write {self.write:.2f} s (cpu {self.write_cpu:.2f}); engine waited "
             f"{self.wait_input:.2f} s for input, {self.wait_output:.2f} s for the writer; "
@@ -290,7 +298,8 @@ class _Flow:
         self.shard: list[tuple[Batch, dict[str, np.ndarray]]] = []
         self.rows = 0
         self.first: float | None = None
-        self.stats: list[tuple[float, float, float]] = []  # each stream's infer, waits in, out
+        #: Each stream's infer, waits for input and output (seconds), and its thread's CPU.
+        self.stats: list[tuple[float, float, float, float]] = []
 
     def _take(self) -> tuple[int, Batch] | None:
         got = self.inbox.get(self.state.stop)
@@ -301,6 +310,7 @@ class _Flow:
     def work(self, engine: Engine) -> None:
         """One stream: batches until the source ends or the job stops."""
         infer = wait_input = wait_output = 0.0
+        cpu = time.thread_time()
         started = False
         try:
             while not self.state.stop.is_set():
@@ -326,8 +336,9 @@ class _Flow:
         except BaseException as exc:
             self.state.error = self.state.error or exc
             self.state.stop.set()
+        cpu = time.thread_time() - cpu
         with self.gather_lock:
-            self.stats.append((infer, wait_input, wait_output))
+            self.stats.append((infer, wait_input, wait_output, cpu))
 
     def _gather(self, seq: int, done: Batch, outputs: dict[str, np.ndarray]) -> bool:
         """Outputs back in the source's order; a shard's last batch hands the shard on (the
@@ -353,10 +364,13 @@ class _Flow:
             self.shard = []
 
     def times(self, streams: int) -> StageTimes:
-        """The engine stage's times: each stream's, averaged (wall-clock, like one stream's)."""
-        infer, wait_input, wait_output = (sum(x) / streams for x in zip(*self.stats or [(0, 0, 0)]))
+        """The engine stage's times: each stream's, averaged (wall-clock, like one stream's);
+        the CPU of all streams' threads, added up."""
+        stats = self.stats or [(0.0, 0.0, 0.0, 0.0)]
+        infer, wait_input, wait_output = (sum(x) / streams for x in list(zip(*stats))[:3])
         return StageTimes(
             infer=infer,
+            infer_cpu=sum(s[3] for s in stats),
             first_batch=self.first or 0.0,
             wait_input=wait_input,
             wait_output=wait_output,

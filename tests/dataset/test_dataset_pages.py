@@ -326,3 +326,17 @@ def test_read_groups_reuse_a_finished_block_s_buffer_never_a_live_one(tmp_path, 
     again = parquet.read_groups([(f, 2, 0, 4)], ["x"])
     assert address(again) == used
     np.testing.assert_array_equal(np.asarray(again.column("x").to_pylist()), x[8:])
+
+
+def test_page_headers_are_parsed_from_unsigned_bytes(tmp_path):
+    # A Thrift field header byte of 0x80 or more (a field id 8 or more past the last one) read
+    # as a signed byte would give a negative field id: the file's bytes are viewed unsigned.
+    from enginekit.dataset.parquet import _map
+
+    path = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"x": from_numpy(np.ones((4, 2), np.float32), "list")}), path)
+    data = _map(path)
+    assert data.format == "B" and data[0] == ord("P")
+    # field 9 (delta 9 from 0, i32 = 5) holding 1 (zigzag 2), then the struct's end
+    head = bytes([0x95, 0x02, 0x00])
+    assert pages.struct_at(memoryview(head), 0) == ({9: 1}, 3)

@@ -353,3 +353,38 @@ def test_the_reader_waiting_for_room_is_not_counted_as_reading(ekit, tmp_path):
         rows = (x[i : i + 2] for i in range(0, 20, 2))  # one batch a piece: a put each
         s = ek.infer_dataset(engine, rows, tmp_path / "out", 2, prefetch=1)
     assert s.stages.batches == 10 and s.stages.read < s.stages.infer / 2
+
+
+class Burning(ek.Engine):
+    """A real engine that first burns ``burn`` CPU seconds of its caller's thread per call (or,
+    with ``sleep``, waits that long without using the CPU)."""
+
+    def __init__(self, inner: ek.Engine, burn: float, sleep: bool = False) -> None:
+        super().__init__(inner.inputs, inner.outputs, inner.profiles, inner.manifest)
+        self.inner, self.burn, self.sleep = inner, burn, sleep
+
+    def _run(self, feeds):
+        if self.sleep:
+            time.sleep(self.burn)
+        else:
+            end = time.thread_time() + self.burn
+            while time.thread_time() < end:
+                pass
+        return self.inner.infer(feeds)
+
+
+def test_engine_stage_cpu_is_the_streams_threads_cpu_added_up(ekit, tmp_path):
+    # Per-stage CPU is how a run shows what the pipeline spends beside the engine: the streams'
+    # threads' CPU counts every stream (added, not averaged like their wall-clock times), and
+    # time an engine call spends waiting is not CPU.
+    x = cnn_rows(40)
+    with ek.load(ekit("cnn")) as inner:
+        busy = ek.infer_dataset(Burning(inner, 0.01), [x], tmp_path / "busy", 4, streams=2)
+        idle = ek.infer_dataset(
+            Burning(inner, 0.01, sleep=True), [x], tmp_path / "idle", 4, streams=2
+        )
+    assert busy.stages.batches == idle.stages.batches == 10
+    assert busy.stages.infer_cpu >= 0.1  # 10 calls of 10 ms of CPU, on 2 threads
+    assert idle.stages.infer_cpu < 0.05 + busy.stages.infer_cpu - 0.1  # the sleeps: no CPU
+    assert busy.to_json()["stages"]["infer_cpu"] == round(busy.stages.infer_cpu, 4)
+    assert f"(cpu {busy.stages.infer_cpu:.2f})" in busy.stages.describe()
