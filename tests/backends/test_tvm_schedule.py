@@ -353,6 +353,28 @@ def test_a_symbolic_innermost_axis_stays_out_of_the_parallel_loop():
     assert "T.parallel(T.int64(2048))" in script and "in range(n)" in script
 
 
+def test_a_head_transpose_is_parallel_over_batch_and_heads_without_symbolic_divisions():
+    # Fused through the sequence, each vector of the output recovered batch, head and
+    # position by divisions by the symbolic sequence (0.031 ms where the static one took 0.014).
+    from tvm.script import tirx as T
+
+    from enginekit.backends.tvm import schedule
+
+    @T.prim_func(private=True, s_tir=True)
+    def heads(x_h: T.handle, y_h: T.handle):
+        b, n = T.int64(), T.int64()
+        x = T.match_buffer(x_h, (b, n, T.int64(128)), "float32")
+        y = T.match_buffer(y_h, (b, T.int64(4), n, T.int64(32)), "float32")
+        for i, h, s, d in T.grid(b, T.int64(4), n, T.int64(32)):
+            with T.sblock("T_transpose"):
+                vi, vh, vs, vd = T.axis.remap("SSSS", [i, h, s, d])
+                y[vi, vh, vs, vd] = x[vi, vs, vh * T.int64(32) + vd]
+
+    script = schedule.schedule_cpu(heads, 8).mod.script()
+    assert "T.parallel(b * T.int64(4))" in script and "T.grid(n," in script
+    assert "// n" not in script and "% n" not in script
+
+
 def test_attention_scores_over_a_symbolic_sequence_give_the_reference_result(tmp_path):
     from onnx import TensorProto, helper
 
