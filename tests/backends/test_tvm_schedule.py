@@ -499,6 +499,32 @@ def test_padded_sequence_rows_are_copied_a_row_block_per_parallel_task():
         np.testing.assert_allclose(y.numpy(), x @ w, rtol=1e-4, atol=1e-4)
 
 
+def test_a_matmul_over_a_symbolic_batch_keeps_its_padded_rows_in_a_pass_of_their_own():
+    # Copied a row block per task, the row blocks would be the parallel loop and every
+    # thread would stream the whole weight once per block; over a batch (a classifier) the
+    # weight-bound tile order stays: channel tiles outermost, the padded rows copied first.
+    from tvm.script import tirx as T
+
+    from enginekit.backends.tvm import schedule
+
+    @T.prim_func(private=True, s_tir=True)
+    def dense(x_h: T.handle, w: T.Buffer((T.int64(256), T.int64(512)), "float32"), y_h: T.handle):
+        T.func_attr({"layout_free_buffers": [1]})
+        b = T.int64()
+        x = T.match_buffer(x_h, (b, T.int64(256)), "float32")
+        y = T.match_buffer(y_h, (b, T.int64(512)), "float32")
+        for i, j, r in T.grid(b, T.int64(512), T.int64(256)):
+            with T.sblock("matmul"):
+                vi, vj, vr = T.axis.remap("SSR", [i, j, r])
+                with T.init():
+                    y[vi, vj] = T.float32(0)
+                y[vi, vj] = y[vi, vj] + x[vi, vr] * w[vr, vj]
+
+    script = schedule.schedule_cpu(dense, 16).mod.script()
+    assert "ax1_0_ax0_0_fused in T.parallel((b + T.int64(7)) // T.int64(8) * T.int64(16))" in script
+    assert "T.parallel((b + T.int64(7)) // T.int64(8))" not in script
+
+
 def test_a_small_projection_over_batch_and_sequence_is_parallel_and_packed():
     # Below PARALLEL_WORK per row, a kernel over a symbolic extent gets a parallel and a
     # serial schedule chosen at run time, both with unpacked weights; over batch x sequence

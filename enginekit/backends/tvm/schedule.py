@@ -429,7 +429,7 @@ def _schedule_reduction(
             else:
                 u_outer, u_inner = sch.split(u, [None, fu])
                 outer.append(u_outer)
-    pads = _row_pads(sch, separate) if padded else []
+    pads = _row_pads(sch, separate) if padded and _sequence_rows(sch, main) else []
     inner = [lp for lp in (u_inner, v_inner) if lp is not None]
     tile = at = None
     depth = 1  # loops above the write-back: the tile loop, and the channel tiles with pads
@@ -485,7 +485,9 @@ def _schedule_reduction(
 def _row_pads(sch: Any, producers: list[Any]) -> list[Any]:
     """The row paddings (``pad_einsum``'s ``*_pad`` blocks) of a kernel with constant weights
     that are copied inside its parallel loop, a block of rows per task, rather than in a
-    pass of their own: a matmul over batch x sequence rows (a transformer's projections).
+    pass of their own: a matmul over batch x sequence rows (a transformer's projections;
+    the caller checks the rows are a sequence, so that a weight-bound matmul over a batch
+    keeps its channel tiles outermost).
 
     Copied in a pass of their own, each projection of the small BERT of ``tvm_bench.py``
     without static shapes made a parallel pass over its input before its matmul (batch 16:
