@@ -245,6 +245,7 @@ def optimize(
 
     from enginekit.backends.tvm.fastmath import fast_math
     from enginekit.backends.tvm.layout import convert_nhwc
+    from enginekit.backends.tvm.reshape import legalize_reshape
 
     barriers: list[Any] = []
     with target:
@@ -268,7 +269,8 @@ def optimize(
         )(mod)
         fused = tvm.transform.Sequential(
             [
-                relax.transform.LegalizeOps(),
+                # Reshapes over a symbolic dim by dim groups: injective, so they fuse.
+                relax.transform.LegalizeOps({"relax.reshape": legalize_reshape}),
                 relax.transform.AnnotateTIROpPattern(),
                 relax.transform.FoldConstant(),
                 relax.transform.FuseOps(),
