@@ -213,7 +213,7 @@ def _search(
     ``verify_data``), recorded in the manifest's ``calibration.accuracy_search``. What the
     search fits (bias correction, the sensitivity ranking) comes from the calibration rows
     ``holdout`` kept, never from the rows it scores on."""
-    fallback = fallback_precision(target, config.backend)
+    fallback = fallback_precision(target, config.backend, options=config.options)
     held = holdout.held
     rows: list[dict[str, np.ndarray]] = list(held)
     if not rows and q.verify_data is not None:

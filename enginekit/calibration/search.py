@@ -34,7 +34,8 @@ Plans are measured on ONNX Runtime CPU (the reference runtime every host has); t
 then verifies the chosen plan on its own backend against the same target. Layers kept in
 float run in the backend's float precision; :func:`fallback_precision` says whether that can
 be bf16 (a host with AVX512-BF16 or AMX and a backend that runs the float part of an int8
-model in bf16) and why not.
+model in bf16: OpenVINO with its option ``int8_float_precision=bf16``, whose plan runner then
+measures every plan in bf16) and why not.
 """
 
 from __future__ import annotations
@@ -63,11 +64,18 @@ from enginekit.errors import BuildError, CalibrationError
 log = logging.getLogger(__name__)
 
 #: What layers kept out of int8 run in: ``float`` (the backend's float32), ``bf16`` (refused
-#: where the host or backend cannot), ``auto`` (bf16 where possible, else float).
+#: where the host or backend cannot, or the backend's option does not ask for it), ``auto``
+#: (bf16 where the host has it and the backend's option asks for it, else float).
 FALLBACKS = ("auto", "float", "bf16")
-#: Backends that run the float layers of an int8 model in bf16 when asked (none yet: OpenVINO
-#: compiles int8 models with an f32 inference precision; see docs/calibration.md).
-BF16_FALLBACK_BACKENDS: tuple[str, ...] = ()
+#: Backends that run the float layers of an int8 model in bf16 when asked, and the backend
+#: option that asks: OpenVINO 2026.4 compiles a Q/DQ model with the bf16 inference precision
+#: hint into int8 kernels for the Q/DQ layers and bf16 ones for the rest (measured on a Zen 4
+#: with AVX512-BF16, MobileNetV2 with 48 of 64 layers float: 1.9x faster than f32 there, top-1
+#: agreement 89.0% vs 91.5%; docs/calibration.md). Opt-in: bf16 costs agreement, and fp32
+#: MobileNetV2 run in bf16 agrees with fp32 on only 93.5%, below a 97% target.
+BF16_FALLBACK_BACKENDS: dict[str, tuple[str, str]] = {
+    "openvino": ("int8_float_precision", "bf16"),
+}
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 #: Rows the per-layer sensitivity runs on (each layer costs one run).
 SENSITIVITY_ROWS = 32
@@ -93,7 +101,9 @@ class AccuracyTarget:
         min_top1_agreement: lowest fraction (0 < t <= 1) of held-out rows whose top-1 class
             matches float32 (classifier-shaped outputs).
         max_abs_error: largest absolute output difference allowed.
-        fallback: what layers kept out of int8 run in: ``auto``, ``float`` or ``bf16``.
+        fallback: what layers kept out of int8 run in: ``auto``, ``float`` or ``bf16``
+            (``bf16``: OpenVINO with its option ``int8_float_precision=bf16``, on a CPU with
+            native bf16; ``auto`` follows that option).
         max_plans: most plans measured after the sensitivity pass.
         equalize: cross-layer equalization (:mod:`enginekit.passes.equalize`) of the float
             model before calibration (off by default: on MobileNetV2 with per-channel
@@ -212,25 +222,47 @@ class AccuracyTarget:
 
 
 def fallback_precision(
-    target: AccuracyTarget, backend: str, flags: frozenset[str] | set[str] | None = None
+    target: AccuracyTarget,
+    backend: str,
+    flags: frozenset[str] | set[str] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> tuple[str, str]:
-    """(``float`` or ``bf16``, why) for the layers kept out of int8.
+    """(``float`` or ``bf16``, why) for the layers kept out of int8: bf16 where the host has
+    native bf16 and the backend's option (``BF16_FALLBACK_BACKENDS``) asks for it.
 
     Raises:
-        BuildError: ``fallback="bf16"`` where the host or the backend cannot run it.
+        BuildError: ``fallback="bf16"`` where the host or the backend cannot run it, or
+            the backend option does not ask for it; ``fallback="float"`` where it does.
     """
     flags = host_target.cpu_flags() if flags is None else flags
+    options = options or {}
     has = [f for f in _BF16_FLAGS if f in flags]
+    switch = BF16_FALLBACK_BACKENDS.get(backend)
+    asked = switch is not None and str(options.get(switch[0], "")).lower() == switch[1]
+    if switch is not None and asked and target.fallback == "float":
+        raise BuildError(
+            f"accuracy target fallback='float' contradicts the {backend} option "
+            f"{switch[0]}={switch[1]}: drop one of them"
+        )
     if not has:
         why = f"this CPU has none of {', '.join(_BF16_FLAGS)} (no native bf16)"
-    elif backend not in BF16_FALLBACK_BACKENDS:
+    elif switch is None:
         why = f"backend {backend!r} runs the float layers of an int8 model in float32"
+    elif not asked:
+        why = (
+            f"backend option {switch[0]} is not {switch[1]} (bf16 is opt-in: faster, less accurate)"
+        )
     else:
-        return "bf16", f"host has {', '.join(has)}; backend {backend!r} runs them in bf16"
+        return "bf16", f"host has {', '.join(has)}; {backend} option {switch[0]}={switch[1]}"
     if target.fallback == "bf16":
+        hint = (
+            f" and set the {backend} option {switch[0]}={switch[1]}"
+            if switch is not None and has and not asked
+            else ""
+        )
         raise BuildError(
-            f"accuracy target fallback='bf16' refused: {why}. Use fallback='float' (or 'auto', "
-            "which picks bf16 only where it runs natively)"
+            f"accuracy target fallback='bf16' refused: {why}. Use fallback='float' (or 'auto')"
+            + (f", or keep fallback='bf16'{hint}" if hint else "")
         )
     return "float", why
 

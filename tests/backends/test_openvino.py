@@ -117,6 +117,8 @@ def test_corrupt_payload_is_an_artifact_error(cnn_artifact, tmp_path):
         ({"threads": "many"}, "threads='many'"),
         ({"export": "blob"}, "expected one of compiled, ir"),
         ({"stream": 2}, "no option.*'stream'.*streams"),
+        ({"int8_float_precision": "fp16"}, "expected one of f32, bf16"),
+        ({"int8_float_precision": "bf16"}, "applies to int8 builds; this build is fp32"),
     ],
 )
 def test_bad_options_raise_build_error(mlp_path, options, message):
@@ -166,6 +168,52 @@ def test_int8_from_calibration_data_runs_int8_kernels(onnx_model):
     runtime = engine.compiled.get_runtime_model()
     precisions = {op.get_rt_info()["runtimePrecision"].astype(str) for op in runtime.get_ops()}
     assert precisions & {"u8", "i8"}, precisions
+
+
+def test_int8_weights_keep_8_bits_with_vnni_and_7_without(monkeypatch):
+    """u8*s8 kernels without VNNI/AMX saturate their int16 pair sums: 7-bit weights there;
+    a VNNI host (this round's Zen 4) takes the 8-bit path."""
+    from enginekit.backends import onnxruntime as ort_backend
+    from enginekit.config import BuildConfig
+
+    config = BuildConfig(backend="openvino")
+    target.cpu_flags.cache_clear()
+    for flags, reduced in (({"avx2", "fma"}, True), ({"avx2", "avx512f", "avx512_vnni"}, False)):
+        monkeypatch.setattr(target, "cpu_flags", lambda flags=frozenset(flags): flags)
+        assert ov_backend.qdq_options(config)["reduce_range"] is reduced, flags
+        ort = ort_backend.qdq_options(BuildConfig(backend="onnxruntime"))
+        assert ort["reduce_range"] is reduced, flags
+
+
+def test_int8_float_part_in_bf16_is_refused_on_a_host_without_bf16(onnx_model, monkeypatch):
+    _fake_host(monkeypatch, {"avx2", "fma", "avx512f", "avx512_vnni"})
+    calib = np.random.default_rng(0).standard_normal((16, 3, 16, 16)).astype(np.float32)
+    with pytest.raises(BuildError, match="int8 with int8_float_precision=bf16 on OpenVINO's CPU"):
+        ek.build(onnx_model("cnn"), backend="openvino", precision="int8", shapes=SHAPES,
+                 calib_data=calib, int8_float_precision="bf16")  # fmt: skip
+
+
+def test_int8_float_part_runs_bf16_kernels_with_the_option(onnx_model, tmp_path, monkeypatch):
+    """Accuracy-aware int8 with fallback bf16: the Q/DQ layers run int8 kernels, the layers
+    kept float run bf16 ones (OpenVINO's bf16 hint on a Q/DQ model), the search measured its
+    plans that way, and a host without bf16 refuses the artifact."""
+    if not _has(ov_backend._ISA["bf16"]):
+        pytest.skip(f"this CPU has no avx512_bf16/amx_bf16 ({sorted(target.cpu_flags())})")
+    rng = np.random.default_rng(0)
+    calib = rng.standard_normal((64, 3, 16, 16)).astype(np.float32)
+    path = tmp_path / "int8bf16.ekit"
+    engine = ek.build(onnx_model("cnn"), backend="openvino", precision="int8", shapes=SHAPES,
+                      calib_data=calib, int8_float_precision="bf16", output=path,
+                      accuracy_target=ek.AccuracyTarget(max_abs_error=1.0, fallback="bf16"))  # fmt: skip
+    assert engine.manifest["backend"]["metadata"]["inference_precision"] == "bf16"
+    found = engine.manifest["calibration"]["accuracy_search"]
+    assert found["fallback_precision"] == "bf16", found
+    runtime = engine.compiled.get_runtime_model()
+    precisions = {op.get_rt_info()["runtimePrecision"].astype(str) for op in runtime.get_ops()}
+    assert precisions & {"u8", "i8"} and "bf16" in precisions, precisions
+    _fake_host(monkeypatch, {"avx2", "fma", "avx512_vnni"})
+    with pytest.raises(ArtifactError, match="int8_float_precision=bf16.*needs one of the ISA"):
+        ek.load(path)
 
 
 def test_concurrent_infer_from_threads_matches_serial(cnn_artifact):

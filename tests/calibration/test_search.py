@@ -151,6 +151,25 @@ def test_bf16_fallback_is_refused_without_native_bf16_and_auto_falls_back_to_flo
     assert precision == "float" and "runs the float layers of an int8 model in float32" in why
 
 
+def test_bf16_fallback_on_openvino_follows_its_int8_float_precision_option():
+    """bf16 costs agreement (docs/calibration.md), so it is opt-in: the OpenVINO option
+    int8_float_precision=bf16 asks for it; auto follows the option; contradictions are refused."""
+    bf16 = {"avx512_bf16"}
+    ask = {"int8_float_precision": "bf16"}
+    precision, why = fallback_precision(AccuracyTarget(0.9), "openvino", flags=bf16)
+    assert precision == "float" and "int8_float_precision is not bf16" in why
+    for fallback in ("auto", "bf16"):
+        target = AccuracyTarget(0.9, fallback=fallback)
+        precision, why = fallback_precision(target, "openvino", flags=bf16, options=ask)
+        assert precision == "bf16" and "int8_float_precision=bf16" in why
+    with pytest.raises(BuildError, match="set the openvino option int8_float_precision=bf16"):
+        fallback_precision(AccuracyTarget(0.9, fallback="bf16"), "openvino", flags=bf16)
+    with pytest.raises(BuildError, match="fallback='float' contradicts the openvino option"):
+        fallback_precision(AccuracyTarget(0.9, fallback="float"), "openvino", bf16, ask)
+    with pytest.raises(BuildError, match="this CPU has none of"):
+        fallback_precision(AccuracyTarget(0.9, fallback="bf16"), "openvino", set(), ask)
+
+
 def test_measure_reports_the_lowest_top1_agreement_and_normalized_error():
     ref = [[np.array([[1.0, 0.0], [0.0, 1.0]])]]
     got = [[np.array([[1.0, 0.0], [1.0, 0.5]])]]
