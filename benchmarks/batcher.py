@@ -14,10 +14,13 @@ config, 2 layers, hidden 64, sequence 16). For each, at several offered rates:
                back: no queue, no collation, no futures. Measured in slices just before and just
                after every batcher cell, so that a change in the machine's load hits the cell and
                its ceiling alike; a cell is compared with the mean of its two slices. At the
-               highest rate the goal's ceiling is measured (before and after the cell) with the
-               load generator running beside it at the cell's rate, submitting to a no-op: the
-               generator is the clients' work, not the batcher's, and takes the same share of
-               the CPU and the interpreter lock from both.
+               highest rate the goal's ceiling runs with the load generator beside it at the
+               cell's rate, submitting to a no-op: the generator is the clients' work, not the
+               batcher's, and takes the same share of the CPU and the interpreter lock from
+               both. That cell is OVERLOAD_ROUNDS short rounds of (ceiling beside the generator,
+               batcher) interleaved, closed by one more ceiling slice: each round's ratio is its
+               batcher against the mean of the two slices around it, and the goal reads the
+               median round (host drift between rounds hits both sides of a round alike).
 
 Definitions:
   * offered rate: a fraction (RATES) of the first ceiling slice, in requests (= rows) per second.
@@ -116,6 +119,9 @@ QUICK_RATES = (0.05, 1.5)
 LOW_RATE_REQUESTS = 500  # at least, at the lowest rate (its p99 is a goal) ...
 LOW_RATE_MAX_S = 12.0  # ... unless that takes longer than this
 POOL_THREADS = 8
+OVERLOAD_ROUNDS = 5  # interleaved (ceiling beside the generator, batcher) rounds at overload ...
+QUICK_OVERLOAD_ROUNDS = 3  # ... with --quick (odd: the median is a round)
+ROUND_SHARE = 0.5  # each round's batcher run: this share of --seconds; its ceiling slices half that
 
 Make = Callable[[int], Any]
 
@@ -518,6 +524,46 @@ def generator_cost(samples: list[Any], rate: float) -> float:
     return open_loop(lambda _s: stub, samples, rate)["generator_cpu_us"]
 
 
+def batcher_cell(
+    cell_engine: ek.Engine,
+    samples: list[Any],
+    rate: float,
+    seed: int,
+    max_batch: int,
+    name: str,
+    args: Any,
+    top: bool,
+    trace: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """One open-loop run through a fresh Batcher: the cell, its stats, the process CPU it took.
+    ``top`` (the overload cell): the engine thread's accounting while the generator runs."""
+    n = len(samples)
+    # The overload cell's engine adds up its own CPU per full batch (InEngine).
+    in_engine = InEngine(cell_engine, max_batch) if top else None
+    with ek.Batcher(
+        cell_engine if in_engine is None else in_engine,
+        max_batch,
+        MAX_DELAY_MS,
+        max_queue=max(n, 1024),
+        name=name,
+        workers=args.workers,
+        standby=args.standby,
+    ) as batcher:
+        sampler = None
+        if top:  # the engine thread while the generator runs (10%..90% of its span)
+            sampler = EngineThreadSampler(batcher, 0.1 * n / rate, 0.9 * n / rate, in_engine)
+            sampler.start()
+        cpu = time.process_time()
+        cell: dict[str, Any] = open_loop(batcher.submit, samples, rate, seed, trace=trace)
+        cpu = time.process_time() - cpu
+        stats = batcher.stats()
+        if sampler is not None:
+            sampler.join()
+            if sampler.result is not None:
+                cell["engine_thread"] = sampler.result
+    return cell, stats, cpu
+
+
 def cell_seed(base: int, model: str, fraction: float) -> int:
     """The arrival draw of one (model, rate) cell: its own, reproducible from ``--seed``."""
     return (base * 1_000_003 + zlib.crc32(f"{model}:{fraction}".encode())) % 2**32
@@ -587,35 +633,51 @@ def run_model(
             trace=traces["pool"],
         )  # fmt: skip
         top = fraction == rates[-1] and fraction > 1  # the overload goal's cell
-        if top:  # the goal's ceiling: with the load generator beside it, as the cell has
-            beside.append(ceiling_beside(engine, full, max_batch, slice_s, rate, streams))
-        # The overload cell's engine adds up its own CPU per full batch (InEngine).
-        in_engine = InEngine(cell_engine, max_batch) if top else None
-        with ek.Batcher(
-            cell_engine if in_engine is None else in_engine,
-            max_batch,
-            MAX_DELAY_MS,
-            max_queue=max(count, 1024),
-            name=name,
-            workers=args.workers,
-            standby=args.standby,
-        ) as batcher:
-            sampler = None
-            if top:  # the engine thread while the generator runs (10%..90% of its span)
-                sampler = EngineThreadSampler(
-                    batcher, 0.1 * count / rate, 0.9 * count / rate, in_engine
-                )
-                sampler.start()
-            cpu = time.process_time()
-            cell: dict[str, Any] = open_loop(
-                batcher.submit, samples, rate, seed, trace=traces["batcher"]
+
+        if top:
+            # The goal's ratio: interleaved short rounds of (ceiling beside the generator,
+            # batcher), closed by one more ceiling slice; each round's batcher against the mean
+            # of the two slices around it, and the median round is the cell. One long slice of
+            # each at different times let the host's drift decide the ratio (the ceiling beside
+            # the generator moved 19-27k rows/s between runs on the Zen 4 host).
+            n_rounds = QUICK_OVERLOAD_ROUNDS if args.quick else OVERLOAD_ROUNDS
+            round_s = args.seconds * ROUND_SHARE
+            count = max(int(rate * round_s), least)
+            samples = samples[:count]
+            ceilings = [ceiling_beside(engine, full, max_batch, round_s / 2, rate, streams)]
+            runs = []
+            cell_args = (
+                cell_engine,
+                samples,
+                rate,
+                seed,
+                max_batch,
+                name,
+                args,
+                top,
+                traces["batcher"],
             )
-            cpu = time.process_time() - cpu
-            stats = batcher.stats()
-            if sampler is not None:
-                sampler.join()
-                if sampler.result is not None:
-                    cell["engine_thread"] = sampler.result
+            for _ in range(n_rounds):
+                runs.append(batcher_cell(*cell_args))
+                ceilings.append(ceiling_beside(engine, full, max_batch, round_s / 2, rate, streams))
+            beside += ceilings
+            rounds = [
+                {
+                    "batcher": r[0]["throughput_arriving"],
+                    "ceiling": (a["throughput"] + b["throughput"]) / 2,
+                }
+                for r, a, b in zip(runs, ceilings, ceilings[1:])
+            ]
+            for r in rounds:
+                r["ratio"] = r["batcher"] / r["ceiling"]
+            mid = sorted(range(n_rounds), key=lambda k: rounds[k]["ratio"])[n_rounds // 2]
+            cell, stats, cpu = runs[mid]
+            cell["overload_rounds"] = rounds
+            cell["median_round"] = mid
+        else:
+            cell, stats, cpu = batcher_cell(
+                cell_engine, samples, rate, seed, max_batch, name, args, top, traces["batcher"]
+            )
         cells = [("pool", pool_cell), ("batcher", cell)]
         reasons: dict[str, dict[str, int]] = {}
         if low:
@@ -649,8 +711,6 @@ def run_model(
                     )
                     lone[f"{mode}_trace"] = batcher_trace.summary(tl)
                     batcher_trace.print_summary(mode, lone[f"{mode}_trace"])
-        if top:
-            beside.append(ceiling_beside(engine, full, max_batch, slice_s, rate, streams))
         after = ceiling_slice(engine, full, max_batch, slice_s, streams=streams)
         local = (before["throughput"] + after["throughput"]) / 2
         local_cpu = (before["cpu_per_row"] + after["cpu_per_row"]) / 2
@@ -708,12 +768,17 @@ def run_model(
     pool.shutdown()
     last = rows[-1]
     if beside:
-        loaded = sum(b["throughput"] for b in beside) / len(beside)
+        # The median round's: its batcher against the ceiling slices around it.
+        rounds, mid = last["overload_rounds"], last["median_round"]
+        loaded = rounds[mid]["ceiling"]
         last["ceiling_beside_generator"] = loaded
         last["of_ceiling_beside_generator"] = last["throughput_arriving"] / loaded
         print(
-            f"highest rate, while the generator runs: batcher {last['throughput_arriving']:,.0f} "
-            f"rows/s, ceiling with the same generator beside it {loaded:,.0f} rows/s -> "
+            f"highest rate, while the generator runs: {len(rounds)} interleaved rounds of "
+            "(ceiling beside the generator, batcher), ratios "
+            + ", ".join(f"{r['ratio']:.2f}" for r in rounds)
+            + f"; median round: batcher {last['throughput_arriving']:,.0f} rows/s, ceiling with "
+            f"the same generator beside it {loaded:,.0f} rows/s -> "
             f"{last['of_ceiling_beside_generator']:.2f} (idle ceiling: {last['ceiling']:,.0f})"
         )
         sampled = [b["engine_thread"] for b in beside if "engine_thread" in b]

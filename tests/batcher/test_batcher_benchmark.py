@@ -53,6 +53,10 @@ def test_quick_run_reports_every_mode_at_every_rate(script, cnn):
     assert top["of_ceiling_beside_generator"] == (
         top["throughput_arriving"] / top["ceiling_beside_generator"]
     )
+    # The goal's ratio is the median of interleaved rounds, each against its own ceiling.
+    ratios = [r["ratio"] for r in top["overload_rounds"]]
+    assert len(ratios) == script.QUICK_OVERLOAD_ROUNDS
+    assert top["of_ceiling_beside_generator"] == pytest.approx(sorted(ratios)[len(ratios) // 2])
     assert 0 <= top["full_batches"] <= 1 and top["engine_ms_per_batch"] > 0
     assert top["standby_batches"] <= top["standby"] * 10**6  # counted for every cell
     for thread in (top.get("engine_thread"), top.get("ceiling_engine_thread")):
