@@ -89,3 +89,18 @@ def test_asyncio_wrap_future() -> None:
         return await asyncio.wrap_future(ok), dropped.cancelled()
 
     assert asyncio.run(main()) == ("r", True)
+
+
+def test_a_queued_slot_holds_no_list_until_a_caller_needs_one() -> None:
+    import gc
+
+    # A backlog of queued requests is walked by every full collection: no per-request lists.
+    s = Slot()
+    assert not [r for r in gc.get_referents(s) if isinstance(r, list)]
+    seen: list[object] = []
+    s.add_done_callback(seen.append)
+    done, pending = concurrent.futures.wait([s], timeout=0)  # made the waiter list, emptied it
+    assert not done and pending == {s} and s._waiters == []
+    threading.Timer(0.01, lambda: resolve_all([s], [7]) if start_all([s]) else None).start()
+    done, _ = concurrent.futures.wait([s], timeout=10)
+    assert done == {s} and s.result() == 7 and seen == [s]
