@@ -13,12 +13,16 @@ dictionary lookup (RLE_DICTIONARY).
 Anything else — a null, an encoding or codec not handled here, a page type it does not know, a
 value count that does not fit — raises :class:`Unsupported` before any of that page's values
 are used, and the caller reads those rows with pyarrow instead (same result, slower).
+
+With ``cramjam`` installed, a v1 PLAIN page can also be decompressed straight into the caller's
+buffer (:meth:`Page.into`): one memory pass instead of two (pyarrow decompresses only into a
+new buffer, which then had to be copied into the batch).
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -35,6 +39,40 @@ CODECS = {
 }
 _PLAIN, _PLAIN_DICTIONARY, _RLE, _RLE_DICTIONARY = 0, 2, 3, 8
 _DATA_PAGE, _DICTIONARY_PAGE, _DATA_PAGE_V2 = 0, 2, 3
+
+#: (compressed page, output buffer of its exact uncompressed size) -> bytes written.
+Into = Callable[[Any, Any], int]
+
+
+def _copy(page: memoryview, out: np.ndarray) -> int:
+    out[:] = np.frombuffer(page, np.uint8, len(out))
+    return len(out)
+
+
+def _decompressors() -> tuple[dict[str | None, Into], tuple[type[BaseException], ...]]:
+    """Codec (pyarrow's name; None: uncompressed) -> a function that decompresses a page into a
+    caller's buffer of exactly its size and returns the bytes written, and the errors those
+    raise on bytes that are not that codec's; none without ``cramjam``."""
+    try:
+        import cramjam
+    except ImportError:
+        return {}, ()
+    into: dict[str | None, Into] = {
+        None: _copy,
+        "snappy": cramjam.snappy.decompress_raw_into,
+        "zstd": cramjam.zstd.decompress_into,
+        "gzip": cramjam.gzip.decompress_into,
+        "brotli": cramjam.brotli.decompress_into,
+        # A Parquet LZ4_RAW page is a bare block: its size is the buffer's, not a prefix.
+        "lz4_raw": lambda page, out: cramjam.lz4.decompress_block_into(
+            page, out, output_len=len(out)
+        ),
+    }
+    return into, (cramjam.DecompressionError, ValueError)
+
+
+#: Decompress-into functions by codec, and the errors they raise.
+INTO, INTO_ERRORS = _decompressors()
 
 
 class Unsupported(Exception):
@@ -320,6 +358,11 @@ class Column:
         """Each data page's values, in order (checked: no nulls, ``values`` in all), less the
         first ``skip``: whole pages of those are passed over undecompressed (a resumed job's
         rows before its start), the rest cut from the first page yielded."""
+        for page in self.walk(skip):
+            yield page.values()
+
+    def walk(self, skip: int = 0) -> Iterator[Page]:
+        """:meth:`pages`, each page not yet decompressed (the dictionary page is, on the way)."""
         seen = 0
         while self.pos < self.end and seen < self.values:
             header, body = struct_at(self.data, self.pos)
@@ -331,6 +374,8 @@ class Column:
                 dph = header[7]
                 if dph.get(2, _PLAIN) not in (_PLAIN, _PLAIN_DICTIONARY):
                     raise Unsupported("dictionary encoding")
+                if self.dictionary is not None:
+                    raise Unsupported("a second dictionary page")  # pages decoded later use one
                 raw = self._decompress(page, header[2])
                 self.dictionary = np.frombuffer(raw, self.dtype, dph[1])
                 continue
@@ -340,12 +385,9 @@ class Column:
             if seen + count <= skip:
                 seen += count  # before the start: its values (and nulls) are never used
                 continue
-            if kind == _DATA_PAGE:
-                values = self._page_v1(header[5], self._decompress(page, header[2]))
-            else:
-                values = self._page_v2(header[8], page, header[2])
-            at, seen = seen, seen + len(values)
-            yield values[max(skip - at, 0) :]
+            cut = max(skip - seen, 0)
+            seen += count
+            yield Page(self, header, page, count - cut, cut)
         if seen != self.values:
             raise Unsupported(f"{seen} values in the pages, {self.values} in the metadata")
 
@@ -399,3 +441,51 @@ class Column:
             except IndexError:
                 raise Unsupported("dictionary index out of range") from None
         raise Unsupported(f"encoding {encoding}")
+
+
+class Page:
+    """One data page of a column chunk, not yet decompressed: its ``n`` values (after the first
+    ``cut``) go into a new array (:meth:`values`) or straight into a caller's buffer
+    (:meth:`into`)."""
+
+    __slots__ = ("body", "column", "cut", "header", "levels", "n")
+
+    def __init__(self, column: Column, header: dict[int, Any], body: memoryview, n: int, cut: int) -> None:  # fmt: skip
+        self.column, self.header, self.body, self.n, self.cut = column, header, body, n, cut
+        #: Bytes in front of the values once decompressed (the levels of a v1 page), when the
+        #: page can be decompressed straight into a buffer; else -1.
+        self.levels = -1
+        v1 = header[1] == _DATA_PAGE
+        if not cut and v1 and header[5][2] == _PLAIN and column.codec in INTO:
+            self.levels = max(header[2] - n * column.dtype.itemsize, -1)
+
+    def values(self) -> np.ndarray:
+        """The values, decompressed into a new buffer (any page :class:`Column` reads)."""
+        column, h = self.column, self.header
+        if h[1] == _DATA_PAGE:
+            got = column._page_v1(h[5], column._decompress(self.body, h[2]))
+        else:
+            got = column._page_v2(h[8], self.body, h[2])
+        return got[self.cut :]
+
+    def into(self, buf: np.ndarray, at: int) -> None:
+        """Decompress the page into ``buf`` (bytes) so that its values start at ``buf[at]``; its
+        levels land in the :attr:`levels` bytes before, and are checked there (a page that
+        does not decompress this way is read by :meth:`values` instead, and copied).
+
+        Raises:
+            Unsupported: nulls, or levels of another length than the page's size implies.
+        """
+        column, size = self.column, self.header[2]
+        nbytes = self.n * column.dtype.itemsize
+        region = buf[at - self.levels : at + nbytes]
+        try:
+            got = INTO[column.codec](self.body, region)
+        except INTO_ERRORS:
+            got = -1
+        if got != size:  # not what pyarrow reads: let its decompressor decide (and raise)
+            region[self.levels :] = self.values().view(np.uint8)
+            return
+        values = column._page_v1(self.header[5], region.data)
+        if len(values) != self.n or values.ctypes.data != buf.ctypes.data + at:
+            raise Unsupported("levels of another length")
