@@ -75,6 +75,21 @@ def test_pages_into_the_batch_match_pyarrow(tmp_path, counted, codec, start, siz
     assert counted.get(name, 0) > 10  # most pages went straight into the batch
 
 
+@pytest.mark.parametrize("version", ["1.0", "2.0"])
+@pytest.mark.parametrize("start, size", [(0, 7), (0, 1), (4, 64)])
+def test_dictionary_pages_looked_up_into_the_batch_match_pyarrow(tmp_path, version, start, size):
+    # Dictionary-encoded pages first (pyarrow's default), then PLAIN once the dictionary is
+    # full; the indices looked up straight into the read buffer, reads cutting pages.
+    x = _rows(45)
+    x[::3] = x[1]  # repeated rows: some pages' indices repeat (RLE runs)
+    options = {"data_page_size": 300, "write_batch_size": 20, "dictionary_pagesize_limit": 2000}
+    path = _write(tmp_path / "d.parquet", x, 30, data_page_version=version, **options)
+    got, ids, src = _pieces(path, start, size)
+    np.testing.assert_array_equal(_bits(got), _bits(x[start:]))
+    np.testing.assert_array_equal(ids, np.arange(start, 45))
+    assert src.groups_arrow == 0
+
+
 @pytest.mark.parametrize("codec", ["snappy", "zstd", "gzip", "brotli", "lz4_raw"])
 def test_each_decompressor_writes_exactly_the_page_or_raises(codec):
     # (pyarrow's metadata names an LZ4_RAW chunk "LZ4", which the page reader leaves to
@@ -213,3 +228,31 @@ def test_read_buffers_are_reused_once_the_last_view_is_gone(tmp_path):
         seen.add(p.inputs["x"].__array_interface__["data"][0] - parquet.HEAD_BYTES)
         del p
     assert len(seen) <= 3
+
+
+def test_the_benchmark_s_reader_ab_runs_both_paths(tmp_path, counted):
+    # benchmarks/dataset_pages.py: the copy path really copies (no page decompressed in
+    # place), the into path does; both read the same rows.
+    import sys
+
+    from compare_helpers import ROOT
+    from script_loader import load_script
+
+    script = load_script(ROOT / "benchmarks" / "dataset_pages.py", "bench_dataset_pages")
+    try:
+        script.bench.make_parquet(tmp_path / "d", 600, files=2)  # the benchmark's rows
+        with script.path("copy"):
+            assert pages.INTO == {}
+            assert script.read_once(tmp_path / "d", 64) > 0
+        assert not counted
+        with script.path("into"):
+            assert script.read_once(tmp_path / "d", 64) > 0
+        assert counted["snappy"] >= 4
+        got = script.reader_ab(tmp_path / "d", 2, batch=64)
+        assert len(got["ratios"]) == 2 and got["ratio"] > 0
+        assert set(pages.INTO) == set(script._INTO)  # restored
+    finally:  # the script put benchmarks/ on sys.path and imported benchmarks/dataset.py
+        sys.modules.pop("bench_dataset_pages", None)
+        sys.modules.pop("dataset", None)
+        while str(ROOT / "benchmarks") in sys.path:
+            sys.path.remove(str(ROOT / "benchmarks"))
