@@ -2,7 +2,8 @@
 
 Tensor columns (fixed-size lists, nested or not, and Arrow's fixed-shape tensor extension type)
 of the plain numeric types are read by :mod:`enginekit.dataset.pages`, straight from the data
-pages into the batch's array (one copy, no per-value list rebuilding); every other column, and
+pages into the batch's array (no per-value list rebuilding; with cramjam, PLAIN pages are
+decompressed in place, else decompressed and copied once); every other column, and
 any row group that reader refuses (nulls, an encoding it does not handle), is read by pyarrow.
 Both give the same rows.
 """
