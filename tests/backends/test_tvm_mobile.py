@@ -136,3 +136,21 @@ def test_a_classifier_matmul_keeps_its_weight_packed_as_one_constant_and_compute
             x = rng.standard_normal((batch, 96)).astype(np.float32)
             got, want = engine.infer({"x": x}), reference(path, {"x": x})
             np.testing.assert_allclose(got["y"], want["y"], rtol=1e-4, atol=1e-4)
+
+
+def test_padded_rows_over_half_vector_columns_are_four_rows_by_five_half_vectors():
+    # 1000 columns take 8-lane vectors on AVX-512: 8 rows x 1 vector loaded 8 row values
+    # and 1 weight vector per 8 FMAs; 4 rows x 5 vectors load 4 and 5 per 20 (MobileNetV3's
+    # 1024x1000 classifier at batch 16, one thread, in the model: 790 -> 490 us).
+    from enginekit.backends.tvm import schedule
+
+    script = schedule.schedule_cpu(_dense(64, 1000), 16).mod.script()
+    padded = script[script.index("if b >= T.int64(8)") :]
+    tile = padded[padded.index('T.sblock("matmul_update")') - 400 :]
+    assert "for ax0_1 in T.unroll(T.int64(4))" in tile
+    assert "T.unroll(T.int64(5))" in tile and "T.vectorized(T.int64(8))" in tile
+    # Both branches read one weight packed in 40-column tiles.
+    assert "(T.int64(25), T.int64(64), T.int64(40))" in script
+    # AVX2's 8 lanes divide 1000: whole vectors, 4 rows (the register block there).
+    avx2 = schedule.schedule_cpu(_dense(64, 1000), 8).mod.script()
+    assert "(T.int64(25), T.int64(64), T.int64(40))" not in avx2
