@@ -92,7 +92,11 @@ def _wide_vector_factor(extent: int | None, lanes: int, multiple: int | None = N
     """A wide tile of whole vectors; on AVX-512, of half vectors (256 bits) where no whole
     ones fit: a 1000-class classifier's 1000 columns are no multiple of 16, and the
     fallback was one ``<10 x float>`` vector, a single FMA chain (2048x1000 alone, one
-    thread: 333 -> 155 us; MobileNetV3's 1024x1000 in the model: 0.9 -> 0.55 ms)."""
+    thread: 333 -> 155 us; MobileNetV3's 1024x1000 in the model: 0.9 -> 0.55 ms).
+
+    With ``multiple`` (the tile width another schedule of the kernel packed the weight in),
+    only a multiple of it, or ``multiple`` itself where none fits: both then read one
+    packed weight."""
     if extent is None:
         return None
     for width in _widths(lanes):
@@ -761,11 +765,10 @@ class _Chosen:
             body_b = tvm_ffi.structural_map(
                 body_b, [(tvm.ir.Var, lambda v: next((n for o, n in same if o.same_as(v)), v))]
             )
-        packs_b = []
         dropped = [o for o, _ in same]
         allocs = [x for x in _union(ra.alloc_buffers, rb.alloc_buffers)
                   if not any(x.same_as(o) for o in dropped)]  # fmt: skip
-        stmts = [*packs_a, *packs_b, tirx.IfThenElse(cond, body_a, body_b)]
+        stmts = [*packs_a, tirx.IfThenElse(cond, body_a, body_b)]
         root = s_tir.SBlock(
             [], [], [], "root", tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0],
             alloc_buffers=allocs,
