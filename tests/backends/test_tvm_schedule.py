@@ -478,8 +478,8 @@ def _project():
 
 
 def test_rows_that_are_a_sequence_within_a_batch_are_padded_without_a_run_time_choice():
-    # A run-time choice keeps the weights unpacked; a sequence's rows take the unpadded branch
-    # only at a length of 1 to 3, so a transformer's projections are padded alone, packed.
+    # A sequence's rows take the unpadded branch only at a length of 1 to 3, so a
+    # transformer's projections are padded alone, packed.
     from enginekit.backends.tvm import schedule
 
     sch = schedule.schedule_cpu(_project(), 8)
@@ -543,8 +543,9 @@ def test_a_matmul_over_a_symbolic_batch_keeps_its_padded_rows_in_a_pass_of_their
 
 def test_a_small_projection_over_batch_and_sequence_is_parallel_and_packed():
     # Below PARALLEL_WORK per row, a kernel over a symbolic extent gets a parallel and a
-    # serial schedule chosen at run time, both with unpacked weights; over batch x sequence
-    # rows (a transformer's Q/K/V projections) it is one parallel schedule, packed.
+    # serial schedule chosen at run time (both read one packed weight: test_tvm_mobile.py);
+    # over batch x sequence rows (a transformer's Q/K/V projections) it is one parallel
+    # schedule, packed.
     from tvm.script import tirx as T
 
     from enginekit.backends.tvm import schedule

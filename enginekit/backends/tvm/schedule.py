@@ -88,18 +88,29 @@ def _vector_factor(extent: int | None, lanes: int) -> int | None:
 _WIDE = (8, 6, 5, 4, 3)
 
 
-def _wide_vector_factor(extent: int | None, lanes: int) -> int | None:
+def _wide_vector_factor(extent: int | None, lanes: int, multiple: int | None = None) -> int | None:
     """A wide tile of whole vectors; on AVX-512, of half vectors (256 bits) where no whole
     ones fit: a 1000-class classifier's 1000 columns are no multiple of 16, and the
     fallback was one ``<10 x float>`` vector, a single FMA chain (2048x1000 alone, one
-    thread: 333 -> 155 us; MobileNetV3's 1024x1000 in the model: 0.9 -> 0.55 ms)."""
+    thread: 333 -> 155 us; MobileNetV3's 1024x1000 in the model: 0.9 -> 0.55 ms).
+
+    With ``multiple`` (the tile width another schedule of the kernel packed the weight in),
+    only a multiple of it, or ``multiple`` itself where none fits: both then read one
+    packed weight."""
     if extent is None:
         return None
     for width in _widths(lanes):
-        factor = next((k * width for k in _WIDE if extent % (k * width) == 0), None)
+        factor = next(
+            (
+                k * width
+                for k in _WIDE
+                if extent % (k * width) == 0 and (k * width) % (multiple or 1) == 0
+            ),
+            None,
+        )
         if factor is not None:
             return factor
-    return None
+    return multiple
 
 
 def _widths(lanes: int) -> tuple[int, ...]:
@@ -382,6 +393,32 @@ def _pack_weights(sch: Any, block: Any, width: int) -> int:
     return packed
 
 
+#: Rows of a padded-row tile made of half vectors (AVX-512), and its widest vector count.
+_HALF_ROWS, _HALF_WIDE = 4, (5, 4, 3)
+
+
+def _half_vector_rows(
+    sch: Any, rows: Any, v_extent: int | None, fv: int, lanes: int
+) -> tuple[int | None, int]:
+    """(the row block, the tile width) of a matmul over padded symbolic rows whose columns
+    take only half vectors on AVX-512 (a 1000-class classifier: 1000 = 125 x 8): 4 rows x 5
+    half vectors instead of 8 rows x 1, so that each step loads 5 weight vectors and 4 row
+    values for 20 FMAs, where it loaded 1 and 8 for 8 (1024x1000 at batch 16 alone, one
+    thread, packed weights: 790 -> 710 us and 1260 -> 920 us in two runs; 2048x1000 2130 ->
+    1640 us). Unpacked, the weight rows 4 KiB apart, it measured no gain. (None, ``fv``)
+    where it does not apply."""
+    if (
+        lanes < 16
+        or fv != lanes // 2
+        or v_extent is None
+        or _extent(sch, rows) is not None
+        or _row_factor(sch, rows, lanes) % _HALF_ROWS
+    ):
+        return None, fv
+    wide = next((k * fv for k in _HALF_WIDE if v_extent % (k * fv) == 0), None)
+    return (_HALF_ROWS, wide) if wide else (None, fv)
+
+
 def _schedule_reduction(
     sch: Any,
     infos: list[Any],
@@ -390,7 +427,13 @@ def _schedule_reduction(
     parallel: bool = True,
     pack: bool = True,
     padded: bool = False,
-) -> None:
+    pack_width: int | None = None,
+) -> int | None:
+    """Schedule the reduction ``infos[index]`` (see the module docstring); returns the width
+    of the tiles its constant weights were repacked into, None where none was. With
+    ``pack_width`` the weights are packed in tiles of that width where it divides the
+    register tile's (another schedule of the kernel, chosen at run time, reads the same
+    packed weight: one constant instead of one per schedule)."""
     main = infos[index]
     separate = []
     narrow = _narrow_window(sch, main, lanes)
@@ -431,7 +474,8 @@ def _schedule_reduction(
     if reduce and fv is not None and (not outer or _row_factor(sch, outer[-1], lanes) == 1):
         # No row to block (a matmul over a symbolic batch, a GEMV): one vector of
         # accumulators would be one FMA dependency chain; a wider tile gives several.
-        fv = _wide_vector_factor(v_extent, lanes) or fv
+        # With ``pack_width`` (the weight another branch packed), a multiple of it.
+        fv = _wide_vector_factor(v_extent, lanes, pack_width) or fv
     if (
         reduce
         and fv == 2 * lanes
@@ -444,6 +488,9 @@ def _schedule_reduction(
         # 4 vectors wide instead (ResNet-50's 3x3 convs over 2x2 pixels, 25-30% faster on one
         # thread; 8 accumulators still fit AVX2's 16 registers).
         fv *= 2
+    fu_override = None
+    if reduce and outer and fv is not None:
+        fu_override, fv = _half_vector_rows(sch, outer[-1], v_extent, fv, lanes)
     if fv is None:
         v_outer, v_inner = v, None
     elif fv == v_extent:
@@ -454,7 +501,7 @@ def _schedule_reduction(
     if outer and v_inner is not None:
         u = outer[-1]
         u_extent = _extent(sch, u)
-        fu = _row_factor(sch, u, lanes)
+        fu = fu_override or _row_factor(sch, u, lanes)
         if fu > 1:
             outer.pop()
             if fu == u_extent:
@@ -509,10 +556,15 @@ def _schedule_reduction(
         sch.unroll(u_inner)
     if reduce:
         sch.decompose_reduction(block, reduce[0])
-    if pack and reduce and v_outer is not None and fv is not None:
-        _pack_weights(sch, block, fv)
+    packed = None
+    # A tile as wide as the output reads whole weight rows (nothing to pack), unless another
+    # branch packed the weight, which then is the only form of it the kernel receives.
+    if pack and reduce and fv is not None and (v_outer is not None or pack_width):
+        width = pack_width if pack_width and fv % pack_width == 0 else fv
+        packed = width if _pack_weights(sch, block, width) else None
     for other in separate + epilogue:
         _schedule_injective(sch, other.block_rv, lanes, parallel)
+    return packed
 
 
 def _row_pads(sch: Any, producers: list[Any]) -> list[Any]:
@@ -632,6 +684,57 @@ def _union(first: Any, second: Any) -> list[Any]:
     return out
 
 
+def _prepacks(body: Any) -> tuple[list[Any], Any]:
+    """(the weight repackings at the top of a root block's ``body``, the rest of it)."""
+    from tvm import s_tir, tirx
+
+    def repacks(stmt: Any) -> bool:
+        while isinstance(stmt, tirx.For):
+            stmt = stmt.body
+        return isinstance(stmt, s_tir.SBlockRealize) and PREPACK in stmt.block.annotations
+
+    stmts = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+    packs = [st for st in stmts if repacks(st)]
+    rest = [st for st in stmts if not repacks(st)]
+    return packs, tirx.SeqStmt(rest) if len(rest) > 1 else rest[0]
+
+
+class _PackConflict(ValueError):
+    """Two schedules of a kernel, chosen at run time, repack one weight in two layouts (TVM
+    splits out one repacking per weight parameter)."""
+
+
+def _packs(stmt: Any) -> tuple[Any, Any]:
+    """(the weight a repacking loop nest reads, the packed buffer it writes)."""
+    from tvm import tirx
+
+    while isinstance(stmt, tirx.For):
+        stmt = stmt.body
+    block = stmt.block
+    return block.reads[0].source, block.writes[0].source
+
+
+def _shared_packs(first: list[Any], second: list[Any]) -> tuple[list[Any], list[Any]]:
+    """([(second's packed buffer, first's) for each weight both pack to one shape], the
+    repackings of ``second`` left)."""
+    same, left = [], []
+    for stmt in second:
+        weight, packed = _packs(stmt)
+        match = next(
+            (q for w, q in map(_packs, first) if w.same_as(weight) and _same_shape(q, packed)),
+            None,
+        )
+        if match is None:
+            left.append(stmt)
+        else:
+            same.append((packed, match))
+    return same, left
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    return len(a.shape) == len(b.shape) and all(_same(x, y) for x, y in zip(a.shape, b.shape))
+
+
 class _Chosen:
     """Two schedules of one kernel as one function: ``if cond: first else: second``.
 
@@ -641,15 +744,34 @@ class _Chosen:
 
     def __init__(self, first: Any, second: Any, cond: Any) -> None:
         import tvm
+        import tvm_ffi
         from tvm import s_tir, tirx
 
         a, b = first.mod["main"], second.mod["main"]
         # TVM's lowering wants the function body to be one root block: the two roots' bodies
-        # become the branches, their allocations the new root's.
+        # become the branches, their allocations the new root's. Weight repackings go before
+        # the branch, at the top level, where SplitLayoutRewritePreproc finds them.
         ra, rb = a.body.block, b.body.block
+        packs_a, body_a = _prepacks(ra.body)
+        packs_b, body_b = _prepacks(rb.body)
+        # One repacking per weight: TVM's split moves each into a function taking the weight
+        # parameter (which then is the packed weight), and refuses a parameter repacked
+        # twice. So both branches must pack the same weights alike, and the second reads
+        # the first's packed buffers.
+        same, left = _shared_packs(packs_a, packs_b)
+        if left or len(same) != len(packs_a):
+            raise _PackConflict("the two schedules repack their weights differently")
+        if same:
+            body_b = tvm_ffi.structural_map(
+                body_b, [(tvm.ir.Var, lambda v: next((n for o, n in same if o.same_as(v)), v))]
+            )
+        dropped = [o for o, _ in same]
+        allocs = [x for x in _union(ra.alloc_buffers, rb.alloc_buffers)
+                  if not any(x.same_as(o) for o in dropped)]  # fmt: skip
+        stmts = [*packs_a, tirx.IfThenElse(cond, body_a, body_b)]
         root = s_tir.SBlock(
-            [], [], [], "root", tirx.IfThenElse(cond, ra.body, rb.body),
-            alloc_buffers=_union(ra.alloc_buffers, rb.alloc_buffers),
+            [], [], [], "root", tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0],
+            alloc_buffers=allocs,
         )  # fmt: skip
         body = s_tir.SBlockRealize([], True, root)
         self.mod = tvm.IRModule({"main": b.with_body(body)})
@@ -695,6 +817,13 @@ def schedule_cpu(func: Any, lanes: int, choices: bool = True) -> Any:
     Small kernels (below :data:`PARALLEL_WORK`) get serial loops; one whose size depends on a
     symbolic dim (the batch) and may fall either side gets both schedules, chosen at run time.
     """
+    try:
+        return _schedule_cpu(func, lanes, choices, pack=True)
+    except _PackConflict:  # schedules chosen at run time that want two layouts of a weight
+        return _schedule_cpu(func, lanes, choices, pack=False)
+
+
+def _schedule_cpu(func: Any, lanes: int, choices: bool, pack: bool) -> Any:
     work = _work(func)
     if work is None:
         return None
@@ -702,16 +831,16 @@ def schedule_cpu(func: Any, lanes: int, choices: bool = True) -> Any:
     if choices and symbolic is not None and _weights_over_a_sequence(func, symbolic):
         # A matmul with constant weights over batch x sequence rows (a transformer's
         # projections): the product is rarely small, and one parallel schedule gets its
-        # weights repacked (a run-time choice keeps them unpacked; small BERT's Q/K/V
-        # projections without static shapes: 2.7 ms against 1.9 packed at batch 16).
-        return _schedule(func, lanes, True, choices)
+        # weights repacked (measured when a run-time choice kept them unpacked: small BERT's
+        # Q/K/V projections without static shapes, 2.7 ms against 1.9 packed at batch 16).
+        return _schedule(func, lanes, True, choices, pack)
     if not choices or symbolic is None or static >= PARALLEL_WORK:
         parallel = static >= PARALLEL_WORK or symbolic is not None
-        return _schedule(func, lanes, parallel, choices)
-    # Weights stay unpacked under a run-time choice: TVM splits out only a repacking block
-    # at the function's top level, not one inside a branch.
-    parallel = _schedule(func, lanes, True, pack=False)
-    serial = _schedule(func, lanes, False, pack=False)
+        return _schedule(func, lanes, parallel, choices, pack)
+    # Both schedules repack the weights alike; _Chosen hoists the repackings out of the
+    # branches (TVM splits out only a repacking block at the function's top level).
+    parallel = _schedule(func, lanes, True, pack=pack)
+    serial = _schedule(func, lanes, False, pack=pack)
     if parallel is None or serial is None:
         return parallel
     # Either may itself be a choice (a matmul's padded rows): the choices nest.
@@ -765,12 +894,15 @@ def _schedule(
             if _sequence_rows(sch, infos[reductions[0]]):
                 # Rows that are a sequence within a batch (a transformer's projections): few
                 # enough for the unpadded branch only at a sequence of 1 to 3. Padded alone,
-                # its constant weights are repacked (a run-time choice keeps them unpacked):
-                # a small BERT's feed-forward matmuls without static shapes ran 1.5x slower.
+                # its constant weights are repacked (measured when a run-time choice kept them
+                # unpacked: a small BERT's feed-forward matmuls without static shapes ran
+                # 1.5x slower).
                 _schedule_reduction(padded, infos_p, index, lanes, parallel, pack, padded=True)
                 return padded
-            _schedule_reduction(padded, infos_p, index, lanes, parallel, pack=False, padded=True)
-            _schedule_reduction(sch, infos, reductions[0], lanes, parallel, pack=False)
+            # Both branches read one packed weight: the unpadded one's wide tile takes the
+            # padded one's tiles where they divide it.
+            width = _schedule_reduction(padded, infos_p, index, lanes, parallel, pack, padded=True)
+            _schedule_reduction(sch, infos, reductions[0], lanes, parallel, pack, pack_width=width)
             return _Chosen(padded, sch, rows >= _rows_block(lanes))
         _schedule_reduction(sch, infos, reductions[0], lanes, parallel, pack)
         return sch
