@@ -299,14 +299,38 @@ def _channel_tiles_at(sch: Any, block: Any, outer: list[Any], spatial: int) -> i
     last stages at small inputs: 2x2 pixels, 9 MB of weights) puts it right after the batch
     loop: with it innermost every row of pixel tiles streamed the whole weight again, and at
     batch 1 the two threads each streamed all of it (a weight-outermost loop also spans the
-    batch: late MobileNetV3 convs measured 1.2-1.8x slower at batch 16). ``spatial`` is the
+    batch: late MobileNetV3 convs measured 1.2-1.8x slower at batch 16) -- except where the
+    weight is larger than :data:`LARGE_WEIGHT`: then every image re-read it from memory
+    (ResNet-50's last 3x3 convs, 9 MB, batch 16, one thread: 0.78-0.89 of the time with the
+    channel tiles outermost, each thread's share read once for the whole batch). ``spatial`` is the
     block's count of spatial loops: one fewer than the output's rank when a batch of 1 was
     normalized away, and then there is no batch loop to stay outside.
     """
     if not _weight_bound(sch, block):
         return len(outer)
     rank = len(sch.get(block).writes[0].source.shape)
-    return 0 if rank <= 3 or spatial < rank else min(1, len(outer))
+    if rank <= 3 or spatial < rank or _weight_elements(sch, block) > LARGE_WEIGHT:
+        return 0
+    return min(1, len(outer))
+
+
+#: Weight elements (float32: 4 MiB, several times a core's L2) above which a weight-bound
+#: convolution puts its output-channel tiles outside the batch loop too; see
+#: :func:`_channel_tiles_at`.
+LARGE_WEIGHT = 1 << 20
+
+
+def _weight_elements(sch: Any, block: Any) -> int:
+    """Elements of the largest read that is not the activation (see :func:`_weight_bound`)."""
+    stmt = sch.get(block)
+    out = stmt.writes[0].source
+    sizes = [
+        _elements(r.source)
+        for r in stmt.reads
+        if not r.source.same_as(out)
+        and not (r.source.shape and out.shape and _same(r.source.shape[0], out.shape[0]))
+    ]
+    return max(sizes, default=0)
 
 
 def _fuse_short_rows(sch: Any, outer: list[Any], lanes: int) -> None:
