@@ -131,3 +131,34 @@ def test_a_static_window_conv_keeps_its_accumulators_under_a_kibibyte():
     assert _tile(schedule.schedule_cpu(_conv(None, 8, 32, 32), 16).mod.script()) == (8, 32)
     # AVX2's 4 x 16 tile was under the limit already.
     assert _tile(schedule.schedule_cpu(_conv(1, 8, 32, 32), 8).mod.script()) == (4, 16)
+
+
+def _max_pool(batch: int | None, pixels: int, channels: int):
+    """ResNet's 3x3 stride-2 max pool with padding 1, NHWC (``batch=None``: symbolic)."""
+    from tvm import te, topi
+
+    n = te.var("batch", "int64") if batch is None else batch
+    x = te.placeholder((n, pixels, pixels, channels), "float32", name="x")
+    y = topi.nn.pool2d(x, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1), "max", layout="NHWC")
+    return te.create_prim_func([x, y])
+
+
+@pytest.mark.parametrize("lanes", LANES)
+def test_a_max_pool_over_a_symbolic_batch_gives_the_reference_result(lanes):
+    # Its padding is -inf, read through the inlined bounds checks of the register tile.
+    import tvm
+
+    from enginekit.backends.tvm import schedule
+
+    sch = schedule.schedule_cpu(_max_pool(None, 32, 64), lanes)
+    assert "T.parallel" in sch.mod.script() and "T.vectorized" in sch.mod.script()
+    lib = tvm.compile(sch.mod, target=tvm.target.Target({"kind": "llvm"}))
+    rng = np.random.default_rng(0)
+    for batch in (1, 3):
+        x = rng.standard_normal((batch, 32, 32, 64)).astype(np.float32)
+        out = tvm.runtime.tensor(np.zeros((batch, 16, 16, 64), np.float32))
+        lib(tvm.runtime.tensor(x), out)
+        padded = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)), constant_values=-np.inf)
+        windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 3), axis=(1, 2))
+        want = windows[:, ::2, ::2].max(axis=(-2, -1))
+        np.testing.assert_array_equal(out.numpy(), want)
