@@ -310,14 +310,38 @@ def _channel_tiles_at(sch: Any, block: Any, outer: list[Any], spatial: int) -> i
     last stages at small inputs: 2x2 pixels, 9 MB of weights) puts it right after the batch
     loop: with it innermost every row of pixel tiles streamed the whole weight again, and at
     batch 1 the two threads each streamed all of it (a weight-outermost loop also spans the
-    batch: late MobileNetV3 convs measured 1.2-1.8x slower at batch 16). ``spatial`` is the
+    batch: late MobileNetV3 convs measured 1.2-1.8x slower at batch 16) -- except where the
+    weight is larger than :data:`LARGE_WEIGHT`: then every image re-read it from memory
+    (ResNet-50's last 3x3 convs, 9 MB, batch 16, one thread: 0.78-0.89 of the time with the
+    channel tiles outermost, each thread's share read once for the whole batch). ``spatial`` is the
     block's count of spatial loops: one fewer than the output's rank when a batch of 1 was
     normalized away, and then there is no batch loop to stay outside.
     """
     if not _weight_bound(sch, block):
         return len(outer)
     rank = len(sch.get(block).writes[0].source.shape)
-    return 0 if rank <= 3 or spatial < rank else min(1, len(outer))
+    if rank <= 3 or spatial < rank or _weight_elements(sch, block) > LARGE_WEIGHT:
+        return 0
+    return min(1, len(outer))
+
+
+#: Weight elements (float32: 4 MiB, several times a core's L2) above which a weight-bound
+#: convolution puts its output-channel tiles outside the batch loop too; see
+#: :func:`_channel_tiles_at`.
+LARGE_WEIGHT = 1 << 20
+
+
+def _weight_elements(sch: Any, block: Any) -> int:
+    """Elements of the largest read that is not the activation (see :func:`_weight_bound`)."""
+    stmt = sch.get(block)
+    out = stmt.writes[0].source
+    sizes = [
+        _elements(r.source)
+        for r in stmt.reads
+        if not r.source.same_as(out)
+        and not (r.source.shape and out.shape and _same(r.source.shape[0], out.shape[0]))
+    ]
+    return max(sizes, default=0)
 
 
 def _fuse_short_rows(sch: Any, outer: list[Any], lanes: int) -> None:
@@ -502,6 +526,8 @@ def _schedule_reduction(
         u = outer[-1]
         u_extent = _extent(sch, u)
         fu = fu_override or _row_factor(sch, u, lanes)
+        if fu_override is None and len(reduce) > 1 and fv is not None and _static(sch, block):
+            fu = _stack_block(u_extent, fu, fv, lanes)
         if fu > 1:
             outer.pop()
             if fu == u_extent:
@@ -565,6 +591,36 @@ def _schedule_reduction(
     for other in separate + epilogue:
         _schedule_injective(sch, other.block_rv, lanes, parallel)
     return packed
+
+
+#: Accumulators (float32) a register tile may hold and still be a stack array: TVM 0.27
+#: allocates a local buffer of 1 KiB or more (``kMaxStackAlloca``) with
+#: ``TVMBackendAllocWorkspace``, a heap pointer LLVM cannot promote to registers.
+STACK_FLOATS = 256
+
+
+def _static(sch: Any, block: Any) -> bool:
+    """Whether the block's output has no symbolic dim (a model exported with a fixed batch)."""
+    from tvm import tirx
+
+    return all(isinstance(d, tirx.IntImm) for d in sch.get(block).writes[0].source.shape)
+
+
+def _stack_block(extent: int | None, block: int, width: int, lanes: int) -> int:
+    """The register block of a static window conv (several reduction loops: a 3x3 conv's
+    padding checks inlined in its update) shrunk until ``block x width`` accumulators stay
+    under :data:`STACK_FLOATS`. AVX-512's 8 x 32 tile is exactly 1 KiB: its accumulators
+    live in a workspace buffer, and where the padding checks' branches keep LLVM from
+    hoisting their stores out of the reduction loop, every step stores all 16 vectors. With
+    a static batch they did: the demo CNN exported with batch 1 ran its 3x3 convs at 40
+    instead of 100 GF/s, the model 2.35x slower than built with a symbolic batch (one
+    thread, CPU time). Over a symbolic batch the stores were hoisted in every conv of the
+    demo CNN and ResNet-50, and 4-row tiles there measured 8% slower at batch 1: those keep
+    their 8 rows."""
+    if extent is None or block * width < STACK_FLOATS:
+        return block
+    blocks = _BLOCKS_WIDE if lanes >= 16 else _BLOCKS
+    return next((f for f in blocks if f * width < STACK_FLOATS and extent % f == 0), block)
 
 
 def _row_pads(sch: Any, producers: list[Any]) -> list[Any]:
