@@ -271,11 +271,11 @@ def test_cuda_target_cross_compiles_without_a_gpu(cnn_path, tmp_path):
 
 def test_enginekit_schedule_applies_to_every_conv_and_matmul_kernel(cnn_path):
     # Called directly: ApplyDefaultSchedule would swallow an error and fall back to naive loops.
-    from enginekit.backends.tvm import frontend, lower, schedule
+    from enginekit.backends.tvm import frontend, lower, schedule, simd
 
     target = lower.resolve_target(None, "cpu")
     _, fused, _ = lower.optimize(frontend.import_onnx(ek.load_model(cnn_path)), target, "NHWC")
-    lanes = schedule.vector_lanes(target)
+    lanes = simd.vector_lanes(target)
     names = []
     for gv, func in fused.functions_items():
         if "conv2d" in gv.name_hint or "matmul" in gv.name_hint:

@@ -51,18 +51,18 @@ def test_schedules_chosen_at_run_time_read_one_weight_repacked_before_the_branch
     # for small kernels, between a parallel and a serial schedule) kept them unpacked.
     from tvm import s_tir, tirx
 
-    from enginekit.backends.tvm import schedule
+    from enginekit.backends.tvm import packing, schedule
 
     func = schedule.schedule_cpu(_dense(k, n), lanes).mod["main"]
     script = func.script()
     top = _top_level(func)
     # One repacking, at the top level (TVM's split finds it there), then the choice.
-    assert script.count(schedule.PREPACK) == 1
+    assert script.count(packing.PREPACK) == 1
     assert isinstance(top[-1], tirx.IfThenElse) and len(top) == 2
     nest = top[0]
     while isinstance(nest, tirx.For):
         nest = nest.body
-    assert isinstance(nest, s_tir.SBlockRealize) and schedule.PREPACK in nest.block.annotations
+    assert isinstance(nest, s_tir.SBlockRealize) and packing.PREPACK in nest.block.annotations
     packed = nest.block.writes[0].source
     *tiles, width = (int(d) for d in packed.shape)
     assert tiles == [n // width, k] and n % width == 0
@@ -74,11 +74,11 @@ def test_schedules_chosen_at_run_time_read_one_weight_repacked_before_the_branch
 def test_small_kernels_chosen_at_run_time_are_packed_once_for_both_thread_counts():
     # 64 x 48 is below PARALLEL_WORK per row: a parallel and a serial schedule, each with a
     # padded-row and an unpadded branch: four branches, one packed weight.
-    from enginekit.backends.tvm import schedule
+    from enginekit.backends.tvm import packing, schedule
 
     script = schedule.schedule_cpu(_dense(64, 48), 16).mod.script()
     assert "T.parallel" in script and "T.int64(65536)" in script  # the nested choice
-    assert script.count(schedule.PREPACK) == 1
+    assert script.count(packing.PREPACK) == 1
 
 
 def test_two_schedules_that_pack_a_weight_in_two_layouts_are_refused():
@@ -87,16 +87,16 @@ def test_two_schedules_that_pack_a_weight_in_two_layouts_are_refused():
     from tvm import s_tir
     from tvm.s_tir import dlight
 
-    from enginekit.backends.tvm import schedule
+    from enginekit.backends.tvm import packing, reduction
 
     def packed(width: int):
         sch = s_tir.Schedule(_dense(64, 64))
         infos = dlight.normalize_prim_func(sch)
-        schedule._schedule_reduction(sch, infos, 0, 16, True, pack=True, pack_width=width)
+        reduction._schedule_reduction(sch, infos, 0, 16, True, pack=True, pack_width=width)
         return sch
 
-    with pytest.raises(schedule._PackConflict):
-        schedule._Chosen(packed(16), packed(32), True)
+    with pytest.raises(packing._PackConflict):
+        packing._Chosen(packed(16), packed(32), True)
 
 
 # AVX2 code (Zen 3's, 8 lanes) runs on an AVX-512 host too: both tile families computed.

@@ -15,19 +15,19 @@ pytest.importorskip("tvm", reason="the tvm backend needs apache-tvm (pip install
 
 
 def _fused(path):
-    from enginekit.backends.tvm import frontend, lower, schedule
+    from enginekit.backends.tvm import frontend, lower, simd
 
     target = lower.resolve_target(None, "cpu")
     _, fused, _ = lower.optimize(frontend.import_onnx(ek.load_model(path)), target, "NHWC")
-    return fused, schedule.vector_lanes(target)
+    return fused, simd.vector_lanes(target)
 
 
 def test_matmul_over_a_symbolic_batch_gets_a_padded_row_block_and_an_unpadded_branch(mlp_path):
     # Called directly: ApplyDefaultSchedule would swallow an error and fall back to naive loops.
-    from enginekit.backends.tvm import schedule
+    from enginekit.backends.tvm import schedule, simd
 
     fused, lanes = _fused(mlp_path)
-    rows = schedule._rows_block(lanes)  # 4 with AVX2's 8 lanes, 8 with AVX-512's 16
+    rows = simd._rows_block(lanes)  # 4 with AVX2's 8 lanes, 8 with AVX-512's 16
     scripts = {
         gv.name_hint: schedule.schedule_cpu(func, lanes).mod.script()
         for gv, func in fused.functions_items()
@@ -81,12 +81,12 @@ def test_a_weight_bound_kernel_puts_the_output_channel_tiles_outermost():
     from tvm import s_tir
     from tvm.s_tir import dlight
 
-    from enginekit.backends.tvm import schedule
+    from enginekit.backends.tvm import placement, schedule
 
     gemv = _gemv(256, 512)
     sch = s_tir.Schedule(gemv)
     info = dlight.normalize_prim_func(sch)[0]
-    assert schedule._weight_bound(sch, info.block_rv)
+    assert placement._weight_bound(sch, info.block_rv)
     script = schedule.schedule_cpu(gemv, 8).mod.script()
     # One row: no block to reuse a weight vector across rows, so the tile is several vectors
     # wide (independent FMA chains, 4 cache lines of each weight row) instead of one.
@@ -245,12 +245,12 @@ def test_a_pointwise_conv_over_fewer_columns_than_a_block_blocks_rows_and_column
 def test_a_constant_conv_weight_is_repacked_in_channel_tiles_only_where_marked():
     # HWIO weights read 16 channels per step a row apart: ResNet-50's 3x3 convs over 2x2
     # pixels streamed them at 13-16 GF/s on one thread; packed [O/16, H, W, I, 16], 2-2.4x.
-    from enginekit.backends.tvm import schedule
+    from enginekit.backends.tvm import packing, schedule
 
     conv = _conv_nhwc(4, 64)
     marked = schedule.schedule_cpu(conv.with_attr("layout_free_buffers", [1]), 8).mod
     plain = schedule.schedule_cpu(conv, 8).mod.script()
-    assert schedule.PREPACK in marked.script() and schedule.PREPACK not in plain
+    assert packing.PREPACK in marked.script() and packing.PREPACK not in plain
     assert "(T.int64(4), T.int64(3), T.int64(3), T.int64(64), T.int64(16))" in marked.script()
 
 
@@ -258,7 +258,7 @@ def test_repacked_weights_are_folded_at_build_and_give_the_reference_result():
     import tvm
     from tvm import relax
 
-    from enginekit.backends.tvm import lower, schedule
+    from enginekit.backends.tvm import lower, simd
 
     rng = np.random.default_rng(0)
     x = relax.Var("x", relax.TensorType((1, 4, 4, 32), "float32"))
@@ -297,7 +297,7 @@ def test_repacked_weights_are_folded_at_build_and_give_the_reference_result():
     func = next(f for gv, f in scheduled.functions_items() if gv.name_hint.endswith("prepacked"))
     # Output-channel tiles of whole vectors: 16 channels on AVX2, 32 on AVX-512.
     *outer, tile = (int(d) for d in func.params[1].shape)
-    assert tile % schedule.vector_lanes(target) == 0 and tile < 64, tile
+    assert tile % simd.vector_lanes(target) == 0 and tile < 64, tile
     assert outer == [64 // tile, 3, 3, 32]
     vm = relax.VirtualMachine(tvm.compile(scheduled, target=target), tvm.cpu())
     data = rng.standard_normal((1, 4, 4, 32)).astype("float32")
@@ -480,12 +480,12 @@ def _project():
 def test_rows_that_are_a_sequence_within_a_batch_are_padded_without_a_run_time_choice():
     # A sequence's rows take the unpadded branch only at a length of 1 to 3, so a
     # transformer's projections are padded alone, packed.
-    from enginekit.backends.tvm import schedule
+    from enginekit.backends.tvm import packing, schedule
 
     sch = schedule.schedule_cpu(_project(), 8)
     script = sch.mod.script()
     assert "_pad_local" in script and "T.int64(4) <= n" not in script and "n >= T" not in script
-    assert schedule.PREPACK in script  # the weight is repacked
+    assert packing.PREPACK in script  # the weight is repacked
     # The padded rows are copied once, not selected inside the reduction loop.
     assert "x_pad = T.sblock_alloc_buffer" in script and "T.if_then_else(vi < n" not in script
 
@@ -548,7 +548,7 @@ def test_a_small_projection_over_batch_and_sequence_is_parallel_and_packed():
     # schedule, packed.
     from tvm.script import tirx as T
 
-    from enginekit.backends.tvm import schedule
+    from enginekit.backends.tvm import packing, schedule
 
     @T.prim_func(private=True, s_tir=True)
     def small(x_h: T.handle, w: T.Buffer((T.int64(64), T.int64(64)), "float32"), y_h: T.handle):
@@ -564,7 +564,7 @@ def test_a_small_projection_over_batch_and_sequence_is_parallel_and_packed():
                 y[vb, vi, vj] = y[vb, vi, vj] + x[vb, vi, vr] * w[vr, vj]
 
     script = schedule.schedule_cpu(small, 8).mod.script()
-    assert "T.parallel" in script and schedule.PREPACK in script
+    assert "T.parallel" in script and packing.PREPACK in script
     assert "T.int64(65536)" not in script  # no run-time parallel / serial choice
 
 
@@ -664,7 +664,7 @@ def test_channels_no_multiple_of_sixteen_get_half_vectors_on_avx512(cin, cout, s
 
 
 def test_avx2_vector_factors_are_unchanged_by_the_half_vectors():
-    from enginekit.backends.tvm import schedule
+    from enginekit.backends.tvm import simd
 
-    assert [schedule._vector_factor(c, 8) for c in (24, 72, 88)] == [8, 8, 8]
-    assert [schedule._vector_factor(c, 16) for c in (24, 72, 88, 40)] == [24, 24, 8, 8]
+    assert [simd._vector_factor(c, 8) for c in (24, 72, 88)] == [8, 8, 8]
+    assert [simd._vector_factor(c, 16) for c in (24, 72, 88, 40)] == [24, 24, 8, 8]

@@ -36,12 +36,12 @@ def test_a_conv_with_a_large_weight_puts_its_channel_tiles_outside_the_batch(lan
     # ResNet-50's last-stage 3x3 convs (2x2 pixels, 512 channels: 2.4M weights, 9 MB) had
     # their channel tiles right after the batch: each image streamed the whole weight again
     # (batch 16, one thread: 45-63 GF/s; outside the batch 55-76 GF/s).
-    from enginekit.backends.tvm import schedule
+    from enginekit.backends.tvm import placement, schedule
 
     # Loops as normalized: ax0 the batch (2: no weight dim is 2 long), ax1/ax2 rows and
     # columns (the columns are the register block), ax3_0 the channel tiles.
     large = schedule.schedule_cpu(_conv(2, 2, 300, 1000), lanes).mod.script()
-    assert 3 * 3 * 300 * 1000 > schedule.LARGE_WEIGHT
+    assert 3 * 3 * 300 * 1000 > placement.LARGE_WEIGHT
     assert _parallel(large).startswith("ax3_0_ax0")
     # A weight-bound conv with a weight that stays in cache keeps them after the batch
     # (MobileNetV3's late convs measured 1.2-1.8x slower with them outermost at batch 16).
@@ -123,10 +123,10 @@ def test_a_static_window_conv_keeps_its_accumulators_under_a_kibibyte():
     # AVX-512's 8 x 32 tile is exactly 1 KiB: TVM put it in a workspace buffer, and with the
     # padding checks' branches every reduction step stored it (a static-batch demo CNN ran
     # 2.35x slower than built with a symbolic batch). 4 rows x 32 fit a stack array.
-    from enginekit.backends.tvm import schedule
+    from enginekit.backends.tvm import schedule, simd
 
     rows, lanes = _tile(schedule.schedule_cpu(_conv(1, 8, 32, 32), 16).mod.script())
-    assert (rows, lanes) == (4, 32) and rows * lanes < schedule.STACK_FLOATS
+    assert (rows, lanes) == (4, 32) and rows * lanes < simd.STACK_FLOATS
     # Over a symbolic batch the stores were hoisted: 8 rows measured 8% faster at batch 1.
     assert _tile(schedule.schedule_cpu(_conv(None, 8, 32, 32), 16).mod.script()) == (8, 32)
     # AVX2's 4 x 16 tile was under the limit already.

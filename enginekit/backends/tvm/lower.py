@@ -334,7 +334,7 @@ def split_repacking() -> Any:
     import tvm
     from tvm import relax, tirx
 
-    from enginekit.backends.tvm.schedule import PREPACK
+    from enginekit.backends.tvm.packing import PREPACK
 
     @tvm.transform.module_pass(opt_level=0, name="EnginekitSplitRepacking")
     def split(mod: Any, _ctx: Any) -> Any:

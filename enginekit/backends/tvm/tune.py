@@ -234,7 +234,8 @@ def _commit_default_schedules(tasks: list[Any], target: Any, database: Any, conf
     """
     from tvm.s_tir import meta_schedule as ms
 
-    from enginekit.backends.tvm.schedule import schedule_cpu, vector_lanes
+    from enginekit.backends.tvm.schedule import schedule_cpu
+    from enginekit.backends.tvm.simd import vector_lanes
 
     lanes = vector_lanes(target)
     builder, runner = _in_process_builder(), _in_process_runner(config)

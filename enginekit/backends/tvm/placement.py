@@ -1,0 +1,137 @@
+"""Where a reduction's loops go in the default CPU schedule (see :mod:`.schedule`): which
+producers (paddings) are inlined, whether a large-window conv pads in a pass of its own,
+whether short pixel rows are fused into one register block, and where the output-channel
+tiles sit in the parallel loop of a weight-bound kernel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from enginekit.backends.tvm.simd import _block_factor, _extent, _same
+
+
+def _pads_inner_axis(sch: Any, block: Any) -> bool:
+    """Whether an injective producer changes the size of the innermost axis (NCHW padding)."""
+    stmt = sch.get(block)
+    if len(stmt.reads) != 1 or len(stmt.writes) != 1:
+        return True
+    read = stmt.reads[0].source.shape
+    write = stmt.writes[0].source.shape
+    return len(read) != len(write) or not _same(read[-1], write[-1])
+
+
+#: Window taps (kernel height x width) from which a conv over fewer input channels than a
+#: vector's lanes pads its input in a pass of its own; see :func:`_narrow_window`.
+WIDE_WINDOW = 49
+
+
+def _narrow_window(sch: Any, info: Any, lanes: int) -> bool:
+    """Whether ``info`` is a large-window conv over fewer input channels than a vector's lanes
+    (a 7x7 stem over RGB): its padding then goes in a pass of its own. Inlined, each of the
+    49 taps was a bounds check for 3 multiply-adds per output vector: ResNet-50's stem alone
+    (7x7, stride 2, 3 -> 64 channels, 64x64), one thread, best of 9: 0.46 -> 0.27 ms at batch
+    1, 8.1 -> 5.2 ms at 16. Smaller windows measured no faster (5x5, 3x3) or slower (a 3x3
+    stride-2 stem: 0.033 -> 0.049 ms)."""
+    loops = sch.get_loops(info.block_rv)
+    extents = [_extent(sch, lp) for lp, k in zip(loops, info.dom_kind()) if k == "R"]
+    reduce = [e for e in extents if e is not None]
+    if len(reduce) < 3 or len(reduce) < len(extents):
+        return False
+    *window, channels = reduce
+    taps = 1
+    for e in window:
+        taps *= e
+    return channels < lanes and taps >= WIDE_WINDOW
+
+
+def _fuse_short_rows(sch: Any, outer: list[Any], lanes: int) -> None:
+    """Fuse the last two pixel loops (rows and columns) in place when the columns alone are
+    too few for a full register block: a 2x2 output (ResNet-50's last stage at 64x64
+    inputs) was blocked by its 2 columns, 2 pixels x 2 vectors, 4 FMA chains where the FMA
+    units' latency wants 8; fused, the 4 pixels make one block (1x1 convolutions there: 1.8x
+    faster on one thread). Only for one reduction loop (a pointwise conv, a matmul): a 3x3
+    window's padding checks on the fused index measured no faster."""
+    rows, cols = _extent(sch, outer[-2]), _extent(sch, outer[-1])
+    if rows is None or cols is None:
+        return
+    fused = _block_factor(rows * cols, lanes)
+    # Only when a block covers whole rows: the register tile's write-back region is inferred
+    # per axis, so a block ending mid-row (3 columns, blocks of 2) would be widened to whole
+    # rows and write back elements the tile never computed (wrong results on GRU and Resize).
+    if _block_factor(cols, lanes) < fused and fused % cols == 0:
+        outer[-2:] = [sch.fuse(outer[-2], outer[-1])]
+
+
+def _elements(buffer: Any) -> int:
+    """Elements of a buffer, its symbolic dims (the batch) counted as 1."""
+    from tvm import tirx
+
+    n = 1
+    for dim in buffer.shape:
+        n *= int(dim) if isinstance(dim, tirx.IntImm) else 1
+    return n
+
+
+def _weight_bound(sch: Any, block: Any) -> bool:
+    """Whether the block reads more weight than activation (at batch 1), so that its
+    output-channel tiles should sit outside its pixel (or row) tiles in the parallel loop:
+    each thread then streams its share of the weight once, each strip reused by every pixel
+    tile while in cache, instead of the whole weight once per pixel tile.
+
+    The activation is the read whose leading dim is the output's (the batch); any other
+    read is a weight. Reads of the accumulator itself are skipped.
+    """
+    stmt = sch.get(block)
+    out = stmt.writes[0].source
+    activation = weight = 0
+    for region in stmt.reads:
+        buf = region.source
+        if buf.same_as(out):
+            continue
+        if buf.shape and out.shape and _same(buf.shape[0], out.shape[0]) and len(buf.shape) > 1:
+            activation = max(activation, _elements(buf))
+        else:
+            weight = max(weight, _elements(buf))
+    return weight > activation
+
+
+def _channel_tiles_at(sch: Any, block: Any, outer: list[Any], spatial: int) -> int:
+    """Where the output-channel tile loop goes among the ``outer`` (pixel) loops.
+
+    Innermost by default: consecutive tiles share their input pixels. A weight-bound matmul
+    puts it outermost (see :func:`_weight_bound`). A weight-bound convolution (ResNet-50's
+    last stages at small inputs: 2x2 pixels, 9 MB of weights) puts it right after the batch
+    loop: with it innermost every row of pixel tiles streamed the whole weight again, and at
+    batch 1 the two threads each streamed all of it (a weight-outermost loop also spans the
+    batch: late MobileNetV3 convs measured 1.2-1.8x slower at batch 16) -- except where the
+    weight is larger than :data:`LARGE_WEIGHT`: then every image re-read it from memory
+    (ResNet-50's last 3x3 convs, 9 MB, batch 16, one thread: 0.78-0.89 of the time with the
+    channel tiles outermost, each thread's share read once for the whole batch). ``spatial`` is the
+    block's count of spatial loops: one fewer than the output's rank when a batch of 1 was
+    normalized away, and then there is no batch loop to stay outside.
+    """
+    if not _weight_bound(sch, block):
+        return len(outer)
+    rank = len(sch.get(block).writes[0].source.shape)
+    if rank <= 3 or spatial < rank or _weight_elements(sch, block) > LARGE_WEIGHT:
+        return 0
+    return min(1, len(outer))
+
+
+#: Weight elements (float32: 4 MiB, several times a core's L2) above which a weight-bound
+#: convolution puts its output-channel tiles outside the batch loop too; see
+#: :func:`_channel_tiles_at`.
+LARGE_WEIGHT = 1 << 20
+
+
+def _weight_elements(sch: Any, block: Any) -> int:
+    """Elements of the largest read that is not the activation (see :func:`_weight_bound`)."""
+    stmt = sch.get(block)
+    out = stmt.writes[0].source
+    sizes = [
+        _elements(r.source)
+        for r in stmt.reads
+        if not r.source.same_as(out)
+        and not (r.source.shape and out.shape and _same(r.source.shape[0], out.shape[0]))
+    ]
+    return max(sizes, default=0)
