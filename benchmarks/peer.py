@@ -14,10 +14,11 @@ all alike:
 - the engine ``--backend auto`` picks (``--auto-backends``; with the calibration data, so int8
   candidates too), gated on top-1 agreement >= 0.99 with fp32 on held-out verification rows.
 
-Prints, per model and batch: median latency, speed relative to the plain ORT session and to
-OpenVINO's default, and each engine's accuracy against the float32 model (cosine similarity of
-the outputs, top-1 agreement of the last axis: classes for ResNet, the hidden unit per token for
-the encoder). Also the host's CPU and ISA flags: ratios differ a lot between CPUs. Ends with
+Prints, per model and batch: median latency, speed relative to the plain ORT session (and the
+lowest and highest of the per-round ratios: one round pairs each engine's call with the plain
+session's) and to OpenVINO's default, the load average over the timing, and each engine's
+accuracy against the float32 model (cosine similarity of the outputs, top-1 agreement of the
+last axis: classes for ResNet, the hidden unit per token for the encoder). Also the host's CPU and ISA flags: ratios differ a lot between CPUs. Ends with
 the goals of issue 16, each met or not met.
 
     python benchmarks/peer.py [--rounds 5] [--size 224] [--backends onnxruntime,openvino,xla]
@@ -261,6 +262,23 @@ def _native(precision: str) -> bool:
 # -- measuring -----------------------------------------------------------------------------------
 
 
+def loadavg() -> float | None:
+    """The 1-minute load average (None where /proc/loadavg does not exist)."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def paired(base: list[float], times: list[float]) -> tuple[float, float, float]:
+    """(median, lowest, highest) of the per-round ratios ``base[i] / times[i]``: how far one
+    round's pair can sit from the median on a loaded machine (equal lengths required)."""
+    if len(base) != len(times) or not base:
+        raise ValueError(f"paired ratios need equal, non-empty rounds: {len(base)} vs {len(times)}")
+    ratios = [b / t for b, t in zip(base, times)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def accuracy(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     """(mean cosine similarity per sample, top-1 agreement along the last axis)."""
     g = got.reshape(got.shape[0], -1).astype(np.float64)
@@ -318,12 +336,14 @@ def measure(
         outputs = {k: run(feeds) for k, run in live.items()}  # also the warm-up
         times: dict[str, list[float]] = {k: [] for k in live}
         order = list(live)
+        loads = [loadavg()]
         for i in range(rounds):
             for k in order[i % len(order) :] + order[: i % len(order)]:
                 time.sleep(gap)
                 start = time.perf_counter()
                 live[k](feeds)
                 times[k].append(time.perf_counter() - start)
+        loads.append(loadavg())
         base = statistics.median(times[PLAIN])
         ov_default = statistics.median(times.get("openvino default", [float("nan")]))
         for k, v in runners.items():
@@ -334,10 +354,11 @@ def measure(
                 continue
             ms = statistics.median(times[k])
             cos, top1 = accuracy(outputs[k], ref)
+            _, lo, hi = paired(times[PLAIN], times[k])
             row = {
                 "model": w.name, "batch": batch, "engine": k, "ms": ms * 1e3,
-                "vs_ort": base / ms, "vs_ov_default": ov_default / ms, "cosine": cos,
-                "top1": top1,
+                "vs_ort": base / ms, "vs_ort_rounds": [lo, hi], "vs_ov_default": ov_default / ms,
+                "cosine": cos, "top1": top1, "load": loads,
             }  # fmt: skip
             if k.startswith("enginekit auto"):
                 winner = next(c for c in auto["candidates"] if c["label"] == auto["winner"])
@@ -385,8 +406,10 @@ def goals(rows: list[dict[str, Any]], quick: bool = False) -> list[dict[str, Any
         name = best["engine"] if best else "none"
         add(f"{label}: best enginekit fp32 vs OpenVINO f32 >= 1.0x",
             ov / best["ms"] if best and ov else None, 1.0, name)  # fmt: skip
+        spread = (f"{name}; rounds {_span(best.get('vs_ort_rounds'))}, load "
+                  f"{_span(best.get('load'))}") if best else name  # fmt: skip
         add(f"{label}: best enginekit fp32 vs plain ORT >= 1.2x",
-            plain / best["ms"] if best and plain else None, 1.2, name)  # fmt: skip
+            plain / best["ms"] if best and plain else None, 1.2, spread)  # fmt: skip
     auto = next((r for r in rows if r["model"].startswith(r50) and r["batch"] == 1
                  and r["engine"].startswith("enginekit auto") and "ms" in r), None)  # fmt: skip
     add("ResNet-50 b1: auto (with calibration data) vs OpenVINO default >= 1.3x",
@@ -413,8 +436,15 @@ def print_goals(found: list[dict[str, Any]]) -> None:
               + (f"  [{g['note']}]" if g["note"] else ""))  # fmt: skip
 
 
+def _span(values: list[float | None] | None, fmt: str = ".2f") -> str:
+    """``lo-hi`` of the known values, ``-`` where none are known."""
+    known = [v for v in values or () if v is not None]
+    return f"{min(known):{fmt}}-{max(known):{fmt}}" if known else "-"
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    header = f"{'model':<22} {'batch':>5} {'engine':<44} {'ms':>9} {'vs ORT':>7} {'vs OV def':>9} {'cosine':>8} {'top-1':>6}"
+    header = (f"{'model':<22} {'batch':>5} {'engine':<44} {'ms':>9} {'vs ORT':>7} {'rounds':>11} "
+              f"{'vs OV def':>9} {'cosine':>8} {'top-1':>6} {'load':>11}")  # fmt: skip
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -423,7 +453,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             continue
         print(
             f"{r['model']:<22} {r['batch']:>5} {r['engine']:<44} {r['ms']:9.2f} "
-            f"{r['vs_ort']:6.2f}x {r['vs_ov_default']:8.2f}x {r['cosine']:8.5f} {r['top1']:6.1%}"
+            f"{r['vs_ort']:6.2f}x {_span(r.get('vs_ort_rounds')):>11} {r['vs_ov_default']:8.2f}x "
+            f"{r['cosine']:8.5f} {r['top1']:6.1%} {_span(r.get('load')):>11}"
         )
 
 

@@ -78,6 +78,9 @@ def test_peer_suite_times_every_engine_interleaved_with_accuracy(peer, onnx_mode
     assert {r["batch"] for r in timed if r["engine"] == peer.FIXED} == {1}  # batch 1 only
     plain = [r for r in timed if r["engine"] == "onnxruntime session (plain)"]
     assert all(r["vs_ort"] == 1.0 and r["cosine"] == pytest.approx(1.0) for r in plain)
+    assert all(r["vs_ort_rounds"] == [1.0, 1.0] for r in plain)  # paired with itself
+    assert all(r["vs_ort_rounds"][0] <= r["vs_ort_rounds"][1] for r in timed)
+    assert all(len(r["load"]) == 2 for r in timed)  # before and after the rounds
     assert all(r["cosine"] > 0.99 and 0 <= r["top1"] <= 1 for r in timed)
     assert any("unavailable" in r.get("note", "") for r in rows if "no-such" in r["engine"])
     auto = [r for r in timed if r["engine"].startswith("enginekit auto -> onnxruntime")]
@@ -91,6 +94,19 @@ def test_peer_suite_times_every_engine_interleaved_with_accuracy(peer, onnx_mode
     peer.print_goals(list(found.values()))
     out = capsys.readouterr().out
     assert "not measured" in out and "(target 1.3)" in out and "vs OV def" in out
+    assert "rounds" in b1["note"] and "load" in b1["note"]
+
+
+def test_peer_paired_ratios_show_the_spread_of_rounds(peer):
+    # round by round: the plain session's time over the engine's, as in the same round
+    base, engine = [1.0, 2.0, 4.0], [0.5, 2.0, 2.0]
+    assert peer.paired(base, engine) == (2.0, 1.0, 2.0)
+    # the ratio of medians (1.0) hides that the engine won two rounds of three by 2x
+    assert peer.statistics.median(base) / peer.statistics.median(engine) == 1.0
+    with pytest.raises(ValueError, match="equal, non-empty rounds: 3 vs 2"):
+        peer.paired(base, engine[:2])
+    assert peer._span([2.5, None, 1.25]) == "1.25-2.50"
+    assert peer._span([None]) == "-" and peer._span(None) == "-"
 
 
 @pytest.fixture(scope="module")
