@@ -8,8 +8,8 @@ What Ray guarantees, and what it does not (Ray 2.60, Ray Data's actor pools): Ra
 map actors with ``max_restarts=-1`` and ``max_task_retries=-1`` unless told otherwise, so when
 an actor process dies its in-flight batches are submitted again (to the restarted actor or
 another), and the output blocks of the failed attempt are never part of the dataset: in the
-*resulting dataset* every row appears exactly once. With ``compute="tasks"`` (what
-``infer_dataset(ray=...)`` runs) its map tasks have ``max_retries=-1``: a task whose worker
+*resulting dataset* every row appears exactly once. With ``compute="tasks"`` its map tasks
+(and those of ``infer_dataset(ray=...)``, :mod:`enginekit.dataset.ray_job`) have ``max_retries=-1``: a task whose worker
 process dies runs again elsewhere, with the same guarantee. The engine call itself is at-least-once — a
 batch may run twice — which is harmless for a pure function such as ``Engine.infer`` but not for
 side effects inside the UDF. The driver is not fault tolerant: if it dies, the job is lost; Ray
@@ -24,17 +24,15 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
 
-from enginekit.dataset.batches import Batch, rebatch
 from enginekit.dataset.columns import check_rows
 from enginekit.dataset.parquet import ParquetSource
-from enginekit.dataset.sources import Piece, Source
 from enginekit.errors import ArtifactError, UsageError
 
 
@@ -138,14 +136,20 @@ _CACHED: dict[str, EngineActor] = {}
 def map_block(batch: Any, ctor_args: tuple[Any, ...]) -> dict[str, np.ndarray]:
     """The function of ``map_engine(..., compute="tasks")``: the batch through this process's
     cached engine, loaded (fetched and checksum-verified, as an actor does) on first use."""
+    return cached_mapper(ctor_args)(batch)
+
+
+def cached_mapper(ctor_args: tuple[Any, ...]) -> EngineActor:
+    """This worker process's :class:`EngineActor` for ``ctor_args``: made on first use and
+    kept (one per process: another artifact or setting replaces it)."""
     key = repr(ctor_args[1:])  # the artifact's path and checksum, and how it is run
     mapper = _CACHED.get(key)
     if mapper is None:
-        for old in _CACHED.values():  # one engine per process: a new artifact replaces it
+        for old in _CACHED.values():
             old.engine.close()
         _CACHED.clear()
         mapper = _CACHED[key] = EngineActor(*ctor_args)
-    return mapper(batch)
+    return mapper
 
 
 def _load(path: Path, device: str | None, threads: int | None, auto: bool) -> Any:
@@ -252,12 +256,10 @@ def map_engine(
         raise UsageError(f"ship {ship!r}: expected 'bytes', 'path' or 'auto'")
     if ship == "bytes" and path.is_dir():
         raise UsageError(f"ship='bytes' needs an .ekit file; {path} is a folder (use ship='path')")
-    sha = _sha256(path)
-    blob = [ray.put(path.read_bytes())] if ship == "bytes" else None
     if batch_size == "auto":
         batch_size = _auto_batch(dataset, path, columns or {}, max_memory, cast, device)
-    args = (blob, str(path.resolve()), sha, dict(columns or {}), keep_inputs, cast, device,
-            engine_batch_size, threads, auto_threads)  # fmt: skip
+    args = actor_args(path, ship, columns, keep_inputs, cast, device, engine_batch_size,
+                      threads, auto_threads)  # fmt: skip
     common = dict(batch_size=batch_size, batch_format=batch_format, zero_copy_batch=True,
                   num_cpus=num_cpus, num_gpus=num_gpus, **map_batches_args)  # fmt: skip
     if compute == "tasks":
@@ -272,6 +274,18 @@ def map_engine(
         else ray.data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
     )
     return dataset.map_batches(EngineActor, fn_constructor_args=args, compute=pool, **common)
+
+
+def actor_args(
+    path: Path, ship: str, columns: Mapping[str, str] | None, keep_inputs: bool, cast: bool,
+    device: str | None, engine_batch_size: int | None, threads: int | None, auto_threads: bool,
+) -> tuple[Any, ...]:  # fmt: skip
+    """:class:`EngineActor`'s arguments: the artifact (an ``.ekit`` file's bytes put in the
+    object store once, or its path) with its checksum, and how to run it."""
+    sha = _sha256(path)
+    blob = [ray.put(path.read_bytes())] if ship == "bytes" else None
+    return (blob, str(path.resolve()), sha, dict(columns or {}), keep_inputs, cast, device,
+            engine_batch_size, threads, auto_threads)  # fmt: skip
 
 
 def _auto_batch(
@@ -294,93 +308,6 @@ def _auto_batch(
         return choose_batch_size(engine, sample, parse_memory(max_memory)).batch_size
 
 
-def ray_batches(
-    artifact: Any, src: Source, start: int, size: int, shard_rows: int, address: str | bool
-) -> Iterator[Any]:
-    """For ``infer_dataset(ray=...)``: the source's rows from ``start`` through Ray, in order, as
-    (batch, outputs) pairs cut at the shard boundaries the local writer expects."""
-    if not isinstance(src, ParquetSource):
-        raise UsageError(
-            f"--ray reads Parquet sources (Ray reads them in parallel); {src.description} is not "
-            "one — run it locally, or convert it to Parquet"
-        )
-    if not isinstance(artifact, (str, os.PathLike)):
-        raise UsageError("--ray ships an artifact to the workers: pass its path, not an Engine")
-    started = False
-    if not ray.is_initialized():
-        if isinstance(address, str):
-            ray.init(address=address)
-        else:
-            ray.init(include_dashboard=False)
-        started = True
-    ctx = ray.data.DataContext.get_current()
-    # Ray Data reserves part of the cluster's CPUs for each operator, and with one map
-    # operator and one task per CPU that held the second task back: sampled on 2 CPUs, two
-    # tasks ran 36% of a job's time with the reservation and 76% without it.
-    reserve = ctx.op_resource_reservation_enabled
-    try:
-        ctx.execution_options.preserve_order = True
-        ctx.op_resource_reservation_enabled = False
-        # One task per CPU of the cluster at a time, each holding one CPU and running a
-        # one-thread engine; each reads its own rows (the read is fused into the task: the
-        # inputs never pass through the object store) and runs them as engine batches of the
-        # local run. Reading and inference overlap across tasks instead of inside one. Tasks,
-        # not an actor pool: Ray reuses their worker processes, engine loaded, for the next
-        # dataset this driver runs (an actor pool starts new processes for each), and blocks
-        # of many row groups (about 4 per CPU, at most BLOCK_BYTES of inputs) pay each
-        # task's costs once for many groups.
-        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        most = BLOCK_BYTES // max(1, _row_bytes(src))
-        left = (src.rows or 0) - start
-        block = max(size, min(left // (4 * cpus), most))
-        # A whole number of rounds of one block per CPU, of equal rows: with 9 blocks on 2
-        # CPUs (100k rows of the demo CNN) the last ran alone, one CPU idle for a ninth of
-        # the rows.
-        count = -(-max(1, -(-left // block)) // cpus) * cpus
-        mapped = map_engine(
-            read_dataset(src, start, size, concurrency=cpus, blocks=count), artifact,
-            batch_size=None,
-            batch_format="pyarrow", columns=src.mapping, engine_batch_size=size,
-            concurrency=cpus, num_cpus=1, compute="tasks",
-        )  # fmt: skip
-        names = src.keep or []
-
-        def pieces() -> Iterator[Piece]:
-            at = start
-            for b in mapped.iter_batches(batch_size=None, batch_format="numpy"):
-                n = len(next(iter(b.values())))
-                outs = {k: v for k, v in b.items() if k not in names}
-                yield Piece(_ids(b, names, at, n), outs, n)
-                at += n
-
-        for batch in rebatch(pieces(), size, shard_rows, start):
-            assert isinstance(batch, Batch)
-            yield batch, batch.piece.inputs
-    finally:
-        ctx.op_resource_reservation_enabled = reserve
-        if started:
-            ray.shutdown()
-
-
-#: The most input bytes --ray puts in one block (one task; Ray Data's own target block size).
-#: Each task costs Ray ~0.1 CPU-s beside the rows (scheduling, the map machinery, the output
-#: block, the driver's iteration), and Ray Data's loop notices a finished task up to 0.1 s
-#: late, its CPU idle meanwhile. Measured on the demo CNN (12 KB a row, 100k rows, 2 CPUs,
-#: loaded host): blocks of 4096 rows 8,600-10,100 rows/s and 9.4-11.1 CPU-s; of 11-12.5k rows
-#: (this cap: 10.9k, rounded up to a row group's end) 9,600-12,600 and 7.5-9.6. A 384 MiB cap
-#: (4 blocks, not 10) measured worse: 11.4k vs 12.5k rows/s, 9.7 vs 8.8 CPU-s (load 5-6).
-BLOCK_BYTES = 128 << 20
-
-
-def _row_bytes(src: ParquetSource) -> int:
-    """Bytes of engine inputs in one row."""
-    total = 0
-    for spec in src.inputs:
-        dims = [d for d in spec.shape[1:] if isinstance(d, int)]
-        total += np.dtype(spec.dtype).itemsize * int(np.prod(dims, dtype=np.int64))
-    return total
-
-
 def read_dataset(
     src: ParquetSource, start: int, size: int = 1, num_cpus: float = 1, block_rows: int = 1,
     concurrency: int | None = None, blocks: int | None = None,
@@ -401,6 +328,20 @@ def read_dataset(
     through the object store, two tasks per block). (Reading row groups ourselves also steps around ray.data.read_parquet's
     threaded file listing, which races importing fsspec's HTTP filesystem when aiohttp is not
     installed.)"""
+    parts = [{"pieces": json.dumps(p)} for p in block_pieces(src, start, size, block_rows, blocks)]
+    needed = list(dict.fromkeys([*src.mapping.values(), *src.keep]))
+    pool = None if concurrency is None else ray.data.TaskPoolStrategy(size=concurrency)
+    return ray.data.from_items(parts, override_num_blocks=max(1, len(parts))).map_batches(
+        read_row_groups, batch_size=1, batch_format="pyarrow", fn_kwargs={"columns": needed},
+        num_cpus=num_cpus, compute=pool,
+    )  # fmt: skip
+
+
+def block_pieces(
+    src: ParquetSource, start: int, size: int, block_rows: int = 1, blocks: int | None = None
+) -> list[list[tuple[str, int, int, int]]]:
+    """The blocks of :func:`read_dataset`, each as its pieces: (file, row group, first row in
+    the group, rows)."""
     groups, row = [], 0  # (file, group, first row, rows)
     for f, counts in zip(src.files, src._meta):
         for g, n in enumerate(counts):
@@ -424,19 +365,13 @@ def read_dataset(
     ends = merged
     parts, lo = [], start
     for hi in ends:
-        pieces = [
+        parts.append([
             (f, g, max(lo - r, 0), min(hi, r + n) - max(lo, r))
             for f, g, r, n in groups
             if r < hi and r + n > lo
-        ]
-        parts.append({"pieces": json.dumps(pieces)})
+        ])  # fmt: skip
         lo = hi
-    needed = list(dict.fromkeys([*src.mapping.values(), *src.keep]))
-    pool = None if concurrency is None else ray.data.TaskPoolStrategy(size=concurrency)
-    return ray.data.from_items(parts, override_num_blocks=max(1, len(parts))).map_batches(
-        read_row_groups, batch_size=1, batch_format="pyarrow", fn_kwargs={"columns": needed},
-        num_cpus=num_cpus, compute=pool,
-    )  # fmt: skip
+    return parts
 
 
 def read_row_groups(batch: Any, columns: list[str] | None = None) -> Any:
@@ -450,11 +385,3 @@ def read_row_groups(batch: Any, columns: list[str] | None = None) -> Any:
 
         columns = list(pq.ParquetFile(pieces[0][0]).schema_arrow.names)
     return read_groups(pieces, columns)
-
-
-def _ids(batch: Mapping[str, np.ndarray], names: list[str], at: int, n: int) -> dict[str, Any]:
-    import pyarrow as pa
-
-    if not names:
-        return {"row": pa.array(np.arange(at, at + n, dtype=np.int64))}
-    return {k: pa.array(batch[k]) for k in names}

@@ -357,9 +357,9 @@ def _run(
     state = State()
     try:
         if ray:
-            from enginekit.dataset.ray import ray_batches
+            from enginekit.dataset.ray_job import ray_batches
 
-            results = ray_batches(given, src, start, size, rows_per_shard, ray)
+            results = ray_batches(given, src, start, size, rows_per_shard, ray, engine.outputs)
             inferred = write_all(
                 results, led, out, fmt, tensor_format, bar, state, prefetch, src.rows, unsaved
             )

@@ -245,3 +245,43 @@ def test_a_task_process_keeps_one_engine_between_datasets(ekit, tmp_path):
     with pytest.raises(ek.errors.UsageError, match="compute 'pool': expected 'actors' or 'tasks'"):
         ek.ray.map_engine(None, artifact, compute="pool")
     ray_mod._CACHED.clear()
+
+
+def test_killing_a_ray_job_task_after_its_first_block_loses_and_duplicates_no_row(
+    cluster, ekit, tmp_path, monkeypatch
+):
+    # infer_dataset(ray=...) runs one task per CPU that yields its blocks' outputs one by one:
+    # killed after the driver has taken the first block, the task runs again and yields the
+    # same blocks; the driver must see each row once, in order, with the local run's outputs.
+    import psutil
+
+    from enginekit.dataset import ray_job
+    from enginekit.dataset.resolve import open_source
+
+    artifact = ekit("cnn")
+    n = 2400
+    write_parquet(
+        tmp_path / "src" / "data.parquet",
+        {"key": [f"k{j}" for j in range(n)], "x": tensor_column(cnn_rows(n, seed=7))},
+        row_group_size=10,
+    )
+    local = read_output(ek.infer_dataset(artifact, tmp_path / "src", tmp_path / "local", 6).output)
+    with ek.load(artifact) as engine:
+        src = open_source(tmp_path / "src", engine.inputs)
+        outputs = engine.outputs
+    # Blocks of 30 rows: 40 per task, so that each task still runs when the first arrives.
+    monkeypatch.setattr(ray_job, "BLOCK_BYTES", 30 * ray_job._row_bytes(src.inputs))
+    keys, outs, killed = [], [], []
+    for batch, out in ray_job.ray_batches(artifact, src, 0, 6, 60, True, outputs):
+        keys.extend(batch.piece.ids["key"].to_pylist())
+        outs.append(out["output"])
+        if not killed:
+            deadline = time.monotonic() + 10
+            while not killed and time.monotonic() < deadline:
+                for p in psutil.process_iter(["cmdline"]):
+                    if "MapBatches(read_and_map)" in " ".join(p.info["cmdline"] or []):
+                        os.kill(p.pid, signal.SIGKILL)
+                        killed.append(p.pid)
+    assert killed, "no task was running after the first block"
+    assert keys == local["key"].tolist()  # every row once, in order
+    np.testing.assert_array_equal(np.concatenate(outs), local["output"])
