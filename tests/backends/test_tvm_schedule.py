@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 from conftest import reference, save_graph
+from tvm_conv_case import conv_relu_reference, fused_conv_relu
 
 import enginekit as ek
 
@@ -263,23 +264,7 @@ def test_repacked_weights_are_folded_at_build_and_give_the_reference_result():
     rng = np.random.default_rng(0)
     x = relax.Var("x", relax.TensorType((1, 4, 4, 32), "float32"))
     w = rng.standard_normal((3, 3, 32, 64)).astype("float32")
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit(relax.op.nn.conv2d(x, relax.const(w), padding=1, data_layout="NHWC",
-                                           kernel_layout="HWIO"))  # fmt: skip
-            out = bb.emit_output(bb.emit(relax.op.nn.relu(y)))
-        bb.emit_func_output(out)
-    target = lower.resolve_target(None, "cpu")
-    with target:
-        fused = tvm.transform.Sequential(
-            [
-                relax.transform.LegalizeOps(),
-                relax.transform.AnnotateTIROpPattern(),
-                relax.transform.FuseOps(),
-                relax.transform.FuseTIR(),
-            ]
-        )(bb.get())
+    fused, target = fused_conv_relu(x, w)
     # enginekit packs with numpy; TVM's FoldConstant would compile each repacking kernel.
     folded = []
     real_fold = lower.fold_repacking
@@ -302,9 +287,7 @@ def test_repacked_weights_are_folded_at_build_and_give_the_reference_result():
     vm = relax.VirtualMachine(tvm.compile(scheduled, target=target), tvm.cpu())
     data = rng.standard_normal((1, 4, 4, 32)).astype("float32")
     got = vm["main"](tvm.runtime.tensor(data)).numpy()
-    padded = np.pad(data, ((0, 0), (1, 1), (1, 1), (0, 0)))
-    windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 3), axis=(1, 2))
-    want = np.maximum(np.einsum("nhwcij,ijco->nhwo", windows, w), 0)
+    want = conv_relu_reference(data, w)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 

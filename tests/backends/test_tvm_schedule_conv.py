@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+from tvm_conv_case import conv_relu_reference, fused_conv_relu
 
 pytest.importorskip("tvm", reason="the tvm backend needs apache-tvm (pip install 'enginekit[tvm]')")
 
@@ -81,23 +82,7 @@ def test_a_large_conv_weight_over_a_symbolic_batch_is_packed_and_gives_the_refer
     rng = np.random.default_rng(1)
     w = (rng.standard_normal((3, 3, 300, 1000)) * 0.05).astype("float32")
     x = relax.Var("x", relax.TensorType((tirx.Var("batch", "int64"), 2, 2, 300), "float32"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit(relax.op.nn.conv2d(x, relax.const(w), padding=1, data_layout="NHWC",
-                                           kernel_layout="HWIO"))  # fmt: skip
-            out = bb.emit_output(bb.emit(relax.op.nn.relu(y)))
-        bb.emit_func_output(out)
-    target = lower.resolve_target(None, "cpu")
-    with target:
-        fused = tvm.transform.Sequential(
-            [
-                relax.transform.LegalizeOps(),
-                relax.transform.AnnotateTIROpPattern(),
-                relax.transform.FuseOps(),
-                relax.transform.FuseTIR(),
-            ]
-        )(bb.get())
+    fused, target = fused_conv_relu(x, w)
     scheduled, _ = lower.apply_schedules(fused, target, "enginekit")
     kernel = next(f for gv, f in scheduled.functions_items() if gv.name_hint.endswith("prepacked"))
     assert _parallel(kernel.script()).startswith("ax3_0_ax0")
@@ -105,9 +90,7 @@ def test_a_large_conv_weight_over_a_symbolic_batch_is_packed_and_gives_the_refer
     for batch in (1, 3):
         data = rng.standard_normal((batch, 2, 2, 300)).astype("float32")
         got = vm["main"](tvm.runtime.tensor(data)).numpy()
-        padded = np.pad(data, ((0, 0), (1, 1), (1, 1), (0, 0)))
-        windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 3), axis=(1, 2))
-        want = np.maximum(np.einsum("nhwcij,ijco->nhwo", windows, w), 0)
+        want = conv_relu_reference(data, w)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
 
 

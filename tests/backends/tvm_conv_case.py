@@ -1,0 +1,43 @@
+"""A 3x3 NHWC conv + ReLU with a constant weight, lowered the way a build lowers it, and its numpy
+reference: shared by the TVM schedule tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def fused_conv_relu(x: Any, w: np.ndarray) -> tuple[Any, Any]:
+    """(fused module, target): `relu(conv2d(x, w, padding=1))` in NHWC/HWIO, legalized and fused
+    for this host's CPU target, ready for `lower.apply_schedules`."""
+    import tvm
+    from tvm import relax
+
+    from enginekit.backends.tvm import lower
+
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, relax.const(w), padding=1, data_layout="NHWC",
+                                           kernel_layout="HWIO"))  # fmt: skip
+            out = bb.emit_output(bb.emit(relax.op.nn.relu(y)))
+        bb.emit_func_output(out)
+    target = lower.resolve_target(None, "cpu")
+    with target:
+        fused = tvm.transform.Sequential(
+            [
+                relax.transform.LegalizeOps(),
+                relax.transform.AnnotateTIROpPattern(),
+                relax.transform.FuseOps(),
+                relax.transform.FuseTIR(),
+            ]
+        )(bb.get())
+    return fused, target
+
+
+def conv_relu_reference(data: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """numpy's `relu(conv2d(data, w, padding=1))`, NHWC input, HWIO weight."""
+    padded = np.pad(data, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 3), axis=(1, 2))
+    return np.maximum(np.einsum("nhwcij,ijco->nhwo", windows, w), 0)
