@@ -338,10 +338,13 @@ def read_dataset(
 
 
 def block_pieces(
-    src: ParquetSource, start: int, size: int, block_rows: int = 1, blocks: int | None = None
-) -> list[list[tuple[str, int, int, int]]]:
+    src: ParquetSource, start: int, size: int, block_rows: int = 1, blocks: int | None = None,
+    shrink: tuple[int, int, int] | None = None,
+) -> list[list[tuple[str, int, int, int]]]:  # fmt: skip
     """The blocks of :func:`read_dataset`, each as its pieces: (file, row group, first row in
-    the group, rows)."""
+    the group, rows). ``shrink=(shares, least, most)``: blocks that shrink towards the end,
+    each ending at the first cut at least ``rows left / shares`` rows on (but ``least`` to
+    ``most`` rows), so that workers taking blocks as they go end close together."""
     groups, row = [], 0  # (file, group, first row, rows)
     for f, counts in zip(src.files, src._meta):
         for g, n in enumerate(counts):
@@ -351,7 +354,15 @@ def block_pieces(
     # Block ends: each row group's end rounded up to the engine batches' grid (from start).
     ends = sorted({min(row, start + -(-(r + n - start) // size) * size) for _, _, r, n in groups})
     merged: list[int] = []
-    if blocks is not None and ends:
+    if shrink is not None and ends:
+        shares, least, most = shrink
+        lo = start
+        for end in ends:
+            want = min(most, max(least, -(-(ends[-1] - lo) // shares)))
+            if end == ends[-1] or end - lo >= want:
+                merged.append(end)
+                lo = end
+    elif blocks is not None and ends:
         total = ends[-1] - start
         for k in range(1, blocks):
             near = min(ends, key=lambda e: abs(e - start - k * total / blocks))

@@ -180,6 +180,48 @@ def test_read_blocks_end_on_the_engine_batch_grid(cluster, ekit, parquet):
     assert sizes == [54, 56]
 
 
+def test_ray_job_blocks_shrink_towards_the_end(ekit, parquet):
+    from enginekit.dataset.ray import block_pieces
+    from enginekit.dataset.resolve import open_source
+
+    with ek.load(ekit("cnn")) as engine:
+        src = open_source(parquet / "src", engine.inputs)
+    # From row 10, batches of 6, two CPUs: each block ends at the first cut (a row group end
+    # on the grid) at least half the rows left on, 12 to 48 rows: 110 rows left, 48 wanted,
+    # cut at 64; 56 left, 28 wanted, cut at 100; 20 left, 12 wanted; the last 8.
+    blocks = block_pieces(src, 10, 6, shrink=(2, 12, 48))
+    assert [sum(p[3] for p in b) for b in blocks] == [54, 36, 12, 8]
+    assert blocks[0][0][1:3] == (0, 10) and blocks[-1][-1][1:] == (7, 0, 8)
+
+
+def test_ray_job_tasks_claim_blocks_first_come_and_a_retry_replays_its_own(cluster):
+    # --ray's tasks take blocks as they go (a faster CPU takes more); a task that runs again
+    # after its process died must yield its earlier blocks again, in the same order, before
+    # new ones, so that Ray can drop the copies of outputs the driver already took.
+    from enginekit.dataset.ray_job import _claims, _forget
+
+    job = "enginekit/test-claims"
+    first, second = _claims(job, 0, 6), _claims(job, 1, 6)
+    assert [next(first), next(second), next(second), next(first)] == [0, 1, 2, 3]
+    retry = _claims(job, 0, 6)  # task 0's process died after block 3
+    assert [next(retry), next(retry), next(retry)] == [0, 3, 4]
+    assert list(second) == [5] and list(retry) == []
+    _forget(job)
+    assert list(_claims(job, 1, 2)) == [0, 1]  # a forgotten job's blocks are free again
+    _forget(job)
+
+
+def test_ray_job_driver_cuts_joined_blocks_into_runs_of_rows():
+    # Ray Data may join two output blocks of one task (rows 5-7 and 20-21): the driver puts
+    # each run in its place.
+    from enginekit.dataset.ray_job import ROW, _runs
+
+    batch = {ROW: np.array([5, 6, 7, 20, 21]), "y": np.arange(10).reshape(5, 2)}
+    runs = list(_runs(batch))
+    assert [(first, part[ROW].tolist()) for first, part in runs] == [(5, [5, 6, 7]), (20, [20, 21])]
+    np.testing.assert_array_equal(runs[1][1]["y"], [[6, 7], [8, 9]])
+
+
 def test_actor_runs_a_ray_batch_as_engine_batches(ekit):
     from enginekit.dataset.ray import EngineActor, _sha256
 
@@ -250,9 +292,10 @@ def test_a_task_process_keeps_one_engine_between_datasets(ekit, tmp_path):
 def test_killing_a_ray_job_task_after_its_first_block_loses_and_duplicates_no_row(
     cluster, ekit, tmp_path, monkeypatch
 ):
-    # infer_dataset(ray=...) runs one task per CPU that yields its blocks' outputs one by one:
-    # killed after the driver has taken the first block, the task runs again and yields the
-    # same blocks; the driver must see each row once, in order, with the local run's outputs.
+    # infer_dataset(ray=...) runs one task per CPU that claims blocks as it goes and yields
+    # their outputs one by one: killed after the driver has taken the first block, a task runs
+    # again and yields the blocks it claimed before, then claims more; the driver must see
+    # each row once, in order, with the local run's outputs.
     import psutil
 
     from enginekit.dataset import ray_job
@@ -269,7 +312,7 @@ def test_killing_a_ray_job_task_after_its_first_block_loses_and_duplicates_no_ro
     with ek.load(artifact) as engine:
         src = open_source(tmp_path / "src", engine.inputs)
         outputs = engine.outputs
-    # Blocks of 30 rows: 40 per task, so that each task still runs when the first arrives.
+    # Blocks of up to 30 rows (about 80), so that each task still runs when the first arrives.
     monkeypatch.setattr(ray_job, "BLOCK_BYTES", 30 * ray_job._row_bytes(src.inputs))
     keys, outs, killed = [], [], []
     for batch, out in ray_job.ray_batches(artifact, src, 0, 6, 60, True, outputs):
