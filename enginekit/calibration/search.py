@@ -56,6 +56,7 @@ from enginekit.calibration.bias import biases_from, correct_bias, correct_bias_s
 from enginekit.calibration.cost import layer_macs, plan_cost
 from enginekit.calibration.fallback import keep_float, quantized_nodes
 from enginekit.calibration.gptq import gptq_round
+from enginekit.calibration.mixed import FloatPart
 from enginekit.calibration.rounding import preserve_sums
 from enginekit.calibration.scoring import lower_bound, measure, rows_to_resolve
 from enginekit.calibration.table import CalibrationTable
@@ -342,6 +343,8 @@ class SearchResult:
     rows: int
     runs_on: str = "ONNX Runtime CPU"
     fit_rows: int = 0  # calibration rows the fitted steps used (0: none given)
+    speed_vs: str = "ONNX Runtime CPU float32"  # what speedup_vs_fp32 is relative to
+    float_part: FloatPart | None = None  # the bf16 float part's f32 layers (mixed.py)
 
     def manifest_entry(self, target: AccuracyTarget) -> dict[str, Any]:
         """What the manifest records: the target, every plan tried, the layers kept in float
@@ -361,8 +364,14 @@ class SearchResult:
             ),
             "chosen": self.chosen.to_json(),
             "float_seconds": self.float_seconds,
+            "speed_vs": self.speed_vs,
             "fallback_precision": self.fallback,
             "fallback_reason": self.fallback_reason,
+            "float_part": (
+                self.float_part.manifest_entry()
+                if self.float_part is not None
+                else {"precision": self.fallback, "reason": self.fallback_reason}
+            ),
             "kept_in_float": [
                 {
                     "layer": name,
@@ -404,6 +413,9 @@ def search(
     runner: Runner | None = None,
     runs_on: str = "ONNX Runtime CPU",
     fit_rows: Sequence[Feeds] = (),
+    float_runner: Runner | None = None,
+    speed_vs: str = "",
+    float_part: FloatPart | None = None,
 ) -> SearchResult:
     """The fastest plan meeting ``target`` on ``rows`` (held-out batches), see module doc.
 
@@ -420,6 +432,10 @@ def search(
         fit_rows: calibration batches, disjoint from ``rows``, that bias correction and the
             sensitivity ranking are fitted on (without them: no bias correction, and the
             sensitivity is measured on ``rows``).
+        float_runner: what runs the float32 model every plan is timed against (default:
+            ``runner``; a runner whose float part is bf16 passes its float32 twin, so that
+            "x fp32" means fp32); ``speed_vs`` names it.
+        float_part: the bf16 float part's f32 layers, for the manifest (:mod:`.mixed`).
 
     Raises:
         CalibrationError: no held-out rows.
@@ -449,7 +465,7 @@ def search(
     # The reference is the float model on ONNX Runtime, as in every int8 verification.
     reference = _run(ort_runner(source), rows)
     timing = rows[0]
-    float_run = runner(source)
+    float_run = (float_runner or runner)(source)
     plans: list[Plan] = []
     costs: dict[str, float] = {}  # MACs of each quantized layer, once the base is chosen
 
@@ -564,7 +580,8 @@ def search(
     float_seconds = float(np.median([p.float_seconds for p in plans]))
     return SearchResult(
         model, fastest, tuple(plans), tuple(sensitivity), float_seconds, *fallback,
-        count, runs_on, sum(_rows(f) for f in fit_rows),
+        count, runs_on, sum(_rows(f) for f in fit_rows), speed_vs or f"{runs_on} float32",
+        float_part,
     )  # fmt: skip
 
 
