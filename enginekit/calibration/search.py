@@ -35,7 +35,9 @@ then verifies the chosen plan on its own backend against the same target. Layers
 float run in the backend's float precision; :func:`fallback_precision` says whether that can
 be bf16 (a host with AVX512-BF16 or AMX and a backend that runs the float part of an int8
 model in bf16: OpenVINO with its option ``int8_float_precision=bf16``, whose plan runner then
-measures every plan in bf16) and why not.
+measures every plan in bf16) and why not. A bf16 float part first gets its f32 layers
+(:mod:`enginekit.calibration.mixed`, chosen in ``plan.py`` before the search runs), and its
+plans are timed against the float32 model (``float_runner``), not the bf16 one.
 """
 
 from __future__ import annotations
