@@ -248,8 +248,10 @@ def main() -> int:
         "--float-part",
         default="f32",
         help="what OpenVINO's accuracy-aware int8 computes its float layers in: f32 (default), "
-        "bf16, or bf16+f32:K (bf16, the model's first K convolutions kept in f32: the openvino "
-        "options int8_float_precision=bf16 and f32_layers; needs a CPU with native bf16)",
+        "bf16 (the search picks the layers kept f32 inside it by their measured bf16 "
+        "sensitivity), or bf16+f32:K (bf16, the model's first K convolutions kept in f32, chosen "
+        "by hand: the openvino options int8_float_precision=bf16 and f32_layers); bf16 needs a "
+        "CPU with native bf16",
     )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(

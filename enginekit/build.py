@@ -214,6 +214,9 @@ def build(
         return STRATEGIES[config.backend](model, request)
     checked = _load_and_check(model, request)
     quantized = _quantize(checked, request)
+    if quantized.options:  # the search's choice (the bf16 float part's f32 layers) is built
+        config = dataclasses.replace(config, options={**config.options, **quantized.options})
+        request = dataclasses.replace(request, config=config)
     graph = _prepare_graph(checked, quantized, config)
     data = _verify_batches(request, graph)
     if data:  # programs specialized to input values: compile the one verification runs

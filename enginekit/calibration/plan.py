@@ -31,7 +31,13 @@ from enginekit.calibration import run as run_calibration
 from enginekit.calibration.accuracy import Gates, accuracy_report, summarize
 from enginekit.calibration.collect import has_qdq
 from enginekit.calibration.data import DEFAULT_BATCH, Holdout, batches
-from enginekit.calibration.search import AccuracyTarget, fallback_precision, search
+from enginekit.calibration.mixed import F32_OPTIONS, FloatPart, choose_f32_layers
+from enginekit.calibration.search import (
+    BF16_FALLBACK_BACKENDS,
+    AccuracyTarget,
+    fallback_precision,
+    search,
+)
 from enginekit.calibration.table import CalibrationTable, as_table
 from enginekit.calibration.writers import write_qdq
 from enginekit.config import BuildConfig, Precision
@@ -102,6 +108,9 @@ class Quantized:
     table: CalibrationTable | None = None
     held_out: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
     entry: dict[str, Any] | None = None
+    #: Backend options the search chose (the bf16 float part's f32 layers), added to the
+    #: build's config so that the backend builds the plan that was measured.
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def table_hash(self) -> str | None:
@@ -236,10 +245,16 @@ def _search(
     hook = getattr(backend, "plan_runner", None)
     runner = hook(config) if hook is not None else None
     runs_on = f"{config.backend} CPU" if hook is not None else "ONNX Runtime CPU"
+    part, chosen, float_runner, speed_vs = _float_part(
+        model, config, hook, fallback, rows, fit, target
+    )
+    if part is not None and part.f32_layers and hook is not None:
+        runner = hook(_with_options(config, {F32_OPTIONS[config.backend]: list(part.f32_layers)}))
     with step(f"searching int8 plans for {target}"):
         result = search(
-            model.proto, table, rows, target, write, fallback, runner, runs_on, fit_rows=fit
-        )
+            model.proto, table, rows, target, write, fallback, runner, runs_on, fit_rows=fit,
+            float_runner=float_runner, speed_vs=speed_vs, float_part=part,
+        )  # fmt: skip
     entry = {**entry, "accuracy_search": result.manifest_entry(target)}
     method, *steps = result.chosen.method.split("+")
     entry["method"] = method
@@ -250,7 +265,48 @@ def _search(
     entry["sequential_bias_correction"] = seq is not None
     if seq is not None:  # ``seqbias50``: the first 50% of its layers (upstream first)
         entry["sequential_bias_share"] = int(seq[len("seqbias") :] or 100) / 100
-    return Quantized(load_model(result.model), table, held, entry)
+    return Quantized(load_model(result.model), table, held, entry, chosen)
+
+
+def _float_part(
+    model: Model,
+    config: BuildConfig,
+    hook: Any,
+    fallback: tuple[str, str],
+    rows: list[dict[str, np.ndarray]],
+    fit: list[dict[str, np.ndarray]],
+    target: AccuracyTarget,
+) -> tuple[FloatPart | None, dict[str, Any], Any, str]:
+    """The bf16 float part's f32 layers (:mod:`enginekit.calibration.mixed`), the backend
+    options that build them, what runs the float32 model plans are timed against, and its
+    name. A bf16 float part is timed against the backend's float32 model, not the model
+    under the bf16 hint (whose "x fp32" read 1.07x for a plan 2.15x true fp32)."""
+    precision, why = fallback
+    option = F32_OPTIONS.get(config.backend)
+    if precision != "bf16" or hook is None or option is None:
+        return None, {}, None, ""
+    fp32_options = {k: v for k, v in config.options.items() if k != option}
+    fp32_options[BF16_FALLBACK_BACKENDS[config.backend][0]] = "f32"
+    float_runner = hook(dataclasses.replace(config, options=fp32_options))
+    speed_vs = f"{config.backend} CPU float32 (the float model with no bf16 part)"
+    given = config.options.get(option)
+    if given:
+        layers = tuple(n.strip() for n in (given.split(",") if isinstance(given, str) else given))
+        part = FloatPart("bf16", why, tuple(n for n in layers if n), f"given: the {option} option")
+        return part, {}, float_runner, speed_vs
+
+    def runner_for(layers: Any) -> Any:
+        return hook(_with_options(config, {option: list(layers)}))
+
+    with step("choosing the f32 layers of the bf16 float part"):
+        part = choose_f32_layers(model.proto, rows, fit, target, runner_for, why)
+    log.info("bf16 float part: f32 layers %s (%s)", list(part.f32_layers), part.how)
+    chosen = {option: list(part.f32_layers)} if part.f32_layers else {}
+    return part, chosen, float_runner, speed_vs
+
+
+def _with_options(config: BuildConfig, options: Mapping[str, Any]) -> BuildConfig:
+    return dataclasses.replace(config, options={**config.options, **options})
 
 
 def _profile(config: BuildConfig) -> Mapping[str, Any] | None:

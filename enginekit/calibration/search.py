@@ -35,7 +35,9 @@ then verifies the chosen plan on its own backend against the same target. Layers
 float run in the backend's float precision; :func:`fallback_precision` says whether that can
 be bf16 (a host with AVX512-BF16 or AMX and a backend that runs the float part of an int8
 model in bf16: OpenVINO with its option ``int8_float_precision=bf16``, whose plan runner then
-measures every plan in bf16) and why not.
+measures every plan in bf16) and why not. A bf16 float part first gets its f32 layers
+(:mod:`enginekit.calibration.mixed`, chosen in ``plan.py`` before the search runs), and its
+plans are timed against the float32 model (``float_runner``), not the bf16 one.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from enginekit.calibration.bias import biases_from, correct_bias, correct_bias_s
 from enginekit.calibration.cost import layer_macs, plan_cost
 from enginekit.calibration.fallback import keep_float, quantized_nodes
 from enginekit.calibration.gptq import gptq_round
+from enginekit.calibration.mixed import FloatPart
 from enginekit.calibration.rounding import preserve_sums
 from enginekit.calibration.scoring import lower_bound, measure, rows_to_resolve
 from enginekit.calibration.table import CalibrationTable
@@ -342,6 +345,8 @@ class SearchResult:
     rows: int
     runs_on: str = "ONNX Runtime CPU"
     fit_rows: int = 0  # calibration rows the fitted steps used (0: none given)
+    speed_vs: str = "ONNX Runtime CPU float32"  # what speedup_vs_fp32 is relative to
+    float_part: FloatPart | None = None  # the bf16 float part's f32 layers (mixed.py)
 
     def manifest_entry(self, target: AccuracyTarget) -> dict[str, Any]:
         """What the manifest records: the target, every plan tried, the layers kept in float
@@ -361,8 +366,14 @@ class SearchResult:
             ),
             "chosen": self.chosen.to_json(),
             "float_seconds": self.float_seconds,
+            "speed_vs": self.speed_vs,
             "fallback_precision": self.fallback,
             "fallback_reason": self.fallback_reason,
+            "float_part": (
+                self.float_part.manifest_entry()
+                if self.float_part is not None
+                else {"precision": self.fallback, "reason": self.fallback_reason}
+            ),
             "kept_in_float": [
                 {
                     "layer": name,
@@ -404,6 +415,9 @@ def search(
     runner: Runner | None = None,
     runs_on: str = "ONNX Runtime CPU",
     fit_rows: Sequence[Feeds] = (),
+    float_runner: Runner | None = None,
+    speed_vs: str = "",
+    float_part: FloatPart | None = None,
 ) -> SearchResult:
     """The fastest plan meeting ``target`` on ``rows`` (held-out batches), see module doc.
 
@@ -420,6 +434,10 @@ def search(
         fit_rows: calibration batches, disjoint from ``rows``, that bias correction and the
             sensitivity ranking are fitted on (without them: no bias correction, and the
             sensitivity is measured on ``rows``).
+        float_runner: what runs the float32 model every plan is timed against (default:
+            ``runner``; a runner whose float part is bf16 passes its float32 twin, so that
+            "x fp32" means fp32); ``speed_vs`` names it.
+        float_part: the bf16 float part's f32 layers, for the manifest (:mod:`.mixed`).
 
     Raises:
         CalibrationError: no held-out rows.
@@ -449,7 +467,7 @@ def search(
     # The reference is the float model on ONNX Runtime, as in every int8 verification.
     reference = _run(ort_runner(source), rows)
     timing = rows[0]
-    float_run = runner(source)
+    float_run = (float_runner or runner)(source)
     plans: list[Plan] = []
     costs: dict[str, float] = {}  # MACs of each quantized layer, once the base is chosen
 
@@ -564,7 +582,8 @@ def search(
     float_seconds = float(np.median([p.float_seconds for p in plans]))
     return SearchResult(
         model, fastest, tuple(plans), tuple(sensitivity), float_seconds, *fallback,
-        count, runs_on, sum(_rows(f) for f in fit_rows),
+        count, runs_on, sum(_rows(f) for f in fit_rows), speed_vs or f"{runs_on} float32",
+        float_part,
     )  # fmt: skip
 
 

@@ -469,10 +469,14 @@ def _accuracy_text(output: str, m: dict[str, Any]) -> str:
 
 
 def plans_text(found: dict[str, Any]) -> str:
-    """The accuracy search's plans, one line each, and the layers kept in float."""
-    lines = [f"accuracy search ({found['measured_on']}), every plan tried:"]
+    """The accuracy search's plans, one line each, and the layers kept in float (with a bf16
+    float part: its f32 layers and the float-part plans tried first)."""
+    lines = _float_part_lines(found.get("float_part"))
+    lines.append(f"accuracy search ({found['measured_on']}), every plan tried:")
     if found.get("criterion"):
         lines.append(f"  a plan meets the target when {found['criterion']}")
+    if found.get("speed_vs"):
+        lines.append(f"  x fp32: against {found['speed_vs']}, timed alternately with each plan")
     for p in found["plans"]:
         agree, interval = p["top1_agreement"], p.get("top1_interval")
         shown = "-" if agree is None else f"{agree:.2%}"
@@ -495,3 +499,24 @@ def plans_text(found: dict[str, Any]) -> str:
         + (", ".join(k["layer"] for k in kept) if kept else "none")
     )
     return "\n".join(lines)
+
+
+def _float_part_lines(part: dict[str, Any] | None) -> list[str]:
+    """What the float part computes in; for a bf16 one, each float-part plan scored (the
+    float model alone, no int8) and the f32 layers chosen, each with why."""
+    if not part:
+        return []
+    if part["precision"] != "bf16":
+        return [f"float part float32, bf16 not tried: {part['reason']}"]
+    lines = [f"float part bf16 ({part['reason']}); f32 layers {part['f32_layers_chosen']}"]
+    for p in part.get("plans", ()):
+        agree, low = p["top1_agreement"], p.get("top1_lower_bound")
+        shown = "-" if agree is None else f"{agree:.2%}"
+        if low is not None:
+            shown += f" lower bound {low:.1%}"
+        lines.append(
+            f"  float model, {p['f32_layers']:>3} layers f32, the rest bf16: top-1 {shown}  "
+            f"NMSE {p['nmse']:.3g}  {'met' if p['met'] else 'missed'}"
+        )
+    lines += [f"  f32: {k['layer']} ({k['why']})" for k in part.get("f32_layers", ())]
+    return lines

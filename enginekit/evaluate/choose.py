@@ -29,6 +29,7 @@ from enginekit.artifact import write_artifact
 from enginekit.backends import load
 from enginekit.build import Request, build
 from enginekit.calibration.plan import Quantization
+from enginekit.calibration.search import BF16_FALLBACK_BACKENDS, fallback_precision
 from enginekit.config import BuildConfig
 from enginekit.engine import Engine
 from enginekit.errors import BuildError, EnginekitError, UsageError, VerificationError
@@ -141,6 +142,42 @@ def _reason(ranked: list[tuple[dict[str, Any], BatchResult]], objective: str, ba
             "may order them differently"
         )
     return text
+
+
+def bf16_float_part(
+    todo: Sequence[tuple[Candidate, list[str]]], quant: Quantization
+) -> tuple[list[tuple[Candidate, list[str]]], str]:
+    """With an accuracy target, each default int8 candidate on a backend that can run an int8
+    model's float part in bf16 (``BF16_FALLBACK_BACKENDS``) also as a candidate that does, on
+    a host with native bf16 (the search then picks the layers kept f32 inside it,
+    :mod:`enginekit.calibration.mixed`); and what was done, or why not, for the manifest.
+
+    Why a separate candidate and not the search's default: a bf16 float part ties the artifact
+    to CPUs with native bf16 and changes its numerics; auto verifies and benches it beside the
+    float32 one and keeps it only where it passes and is faster.
+    """
+    target = quant.target
+    if target is None:
+        return [], "not tried: no accuracy target (it chooses the f32 layers of a bf16 part)"
+    if target.fallback == "float":
+        return [], "not tried: the accuracy target's fallback is float"
+    added: list[tuple[Candidate, list[str]]] = []
+    why = "not tried: no int8 candidate on a backend that runs the float part in bf16"
+    for cand, dropped in todo:
+        switch = BF16_FALLBACK_BACKENDS.get(cand.backend)
+        if cand.precision != "int8" or switch is None or switch[0] in cand.options:
+            continue
+        options = {**cand.options, switch[0]: switch[1]}
+        try:
+            precision, reason = fallback_precision(target, cand.backend, options=options)
+        except BuildError as exc:
+            precision, reason = "float", str(exc)
+        if precision != "bf16":
+            why = f"not tried: {reason}"
+            continue
+        added.append((Candidate(cand.backend, options, "int8", cand.model), dropped))
+        why = f"tried as {added[-1][0].label}: {reason}"
+    return added, why
 
 
 def _has_qdq(model: Model) -> bool:
@@ -296,11 +333,17 @@ def build_auto(model: ModelSource, request: Request) -> Engine:
         else default_candidates(chosen, options, backends)
     )
     floor = quant.checked_gates.min_top1_agreement  # the gate's, else an accuracy target's
+    mixed: list[tuple[Candidate, list[str]]] = []
+    why_mixed = "not tried: candidates given"
+    if not candidates:
+        mixed, why_mixed = bf16_float_part(todo, quant)
+        todo = [*todo, *mixed]
     auto: dict[str, Any] = {
         "objective": objective,
         "precisions": chosen if not candidates else sorted({c.precision for c, _ in todo}),
         "precisions_left_out": left_out,
         "min_top1_agreement": agreement.DEFAULT_MIN_TOP1 if floor is None else floor,
+        "bf16_float_part": why_mixed,
     }
     root = Path(tempfile.mkdtemp(prefix="enginekit-auto-"))
     built: list[tuple[Engine, dict[str, Any], Path]] = []

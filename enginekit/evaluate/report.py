@@ -410,4 +410,6 @@ def auto_table(auto: Mapping[str, Any]) -> str:
         )
     left = auto.get("precisions_left_out") or {}
     notes = [f"not tried: {p} ({why})" for p, why in left.items()]
+    if auto.get("bf16_float_part"):  # int8 with its float part in bf16 (choose.bf16_float_part)
+        notes.append(f"int8 with a bf16 float part: {auto['bf16_float_part']}")
     return "\n".join([table(header, rows), *notes, f"winner: {auto.get('reason', '')}"])
