@@ -45,6 +45,18 @@ def _loads(stmts: list[Any]) -> list[Any]:
     return found
 
 
+def _binds(stmts: list[Any]) -> list[Any]:
+    import tvm_ffi
+    from tvm import tirx
+
+    found: list[Any] = []
+    for stmt in stmts:
+        tvm_ffi.structural_walk(
+            stmt, lambda v: found.append(v) if isinstance(v, tirx.Bind) else None
+        )
+    return found
+
+
 def _loop_vars(stmts: list[Any]) -> list[Any]:
     import tvm_ffi
     from tvm import tirx
@@ -101,7 +113,9 @@ def _prefetch_tile(loop: Any) -> Any:
     if not loops or not any(isinstance(s, tirx.AllocBuffer) for s in seq[: loops[-1]]):
         return loop
     at = loops[-1]
-    later = {s.var: s.value for s in seq[at:] if isinstance(s, tirx.Bind)}
+    # Every value bound from the reduction on, at any depth (CSE binds index parts inside
+    # the write-back too): substituted where it can be, never referenced before its binding.
+    later = {b.var: b.value for b in _binds(seq[at:])}
     calls = _prefetches(_loads(seq[at + 1 :]), later, _loop_vars(seq[at:]))
     if not calls:
         return loop
