@@ -10,7 +10,8 @@ The pipeline (one place, so tuning extracts its tasks from exactly the kernels i
    (conv + bias + BN + activation, matmul + bias become one kernel);
 4. tuned schedules from a MetaSchedule database, if any, then enginekit's CPU rules
    (:mod:`.schedule`) or DLight's GPU rules for every kernel left;
-5. ``tvm.compile`` to a Relax VM executable.
+5. ``tvm.compile`` to a Relax VM executable (on CPU with register tiles kept on the stack,
+   :mod:`.stack`, and their epilogue reads prefetched, :mod:`.prefetch`).
 """
 
 from __future__ import annotations
@@ -486,8 +487,13 @@ def compile_module(mod: Any, target: Any) -> Any:
     """Step 5: a Relax VM executable (``export_library`` writes it as a shared library)."""
     import tvm
 
+    from enginekit.backends.tvm.stack import pipeline
+
+    # On CPU, register tiles stay stack arrays and their epilogue reads are prefetched
+    # (:mod:`.stack`, :mod:`.prefetch`); elsewhere TVM's own pipeline.
+    tir = pipeline() if target.kind.name == "llvm" else "default"
     try:
-        return tvm.compile(mod, target=target)
+        return tvm.compile(mod, target=target, tir_pipeline=tir)
     except Exception as exc:
         raise BuildError(
             f"TVM failed to compile the program for {target.kind.name}: "

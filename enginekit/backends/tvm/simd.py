@@ -147,9 +147,10 @@ def _rows_block(lanes: int) -> int:
     return (_BLOCKS_WIDE if lanes >= 16 else _BLOCKS)[0]
 
 
-#: Accumulators (float32) a register tile may hold and still be a stack array: TVM 0.27
-#: allocates a local buffer of 1 KiB or more (``kMaxStackAlloca``) with
-#: ``TVMBackendAllocWorkspace``, a heap pointer LLVM cannot promote to registers.
+#: Accumulators (float32) a static window conv's register tile may hold: TVM 0.27 allocates
+#: a local buffer of 1 KiB or more (``kMaxStackAlloca``) with ``TVMBackendAllocWorkspace``,
+#: a heap pointer LLVM cannot promote to registers (unless :mod:`.stack` keeps it on the
+#: stack, as it now does for every tile).
 STACK_FLOATS = 256
 
 
@@ -163,7 +164,9 @@ def _stack_block(extent: int | None, block: int, width: int, lanes: int) -> int:
     instead of 100 GF/s, the model 2.35x slower than built with a symbolic batch (one
     thread, CPU time). Over a symbolic batch the stores were hoisted in every conv of the
     demo CNN and ResNet-50, and 4-row tiles there measured 8% slower at batch 1: those keep
-    their 8 rows."""
+    their 8 rows. Since :mod:`.stack` keeps every tile of up to 2 KiB on the stack, 8 rows
+    would be a stack array here too; measured no faster (the static demo CNN at batch 1,
+    one thread: 0.985 of the 4-row build), so the limit stays."""
     if extent is None or block * width < STACK_FLOATS:
         return block
     blocks = _BLOCKS_WIDE if lanes >= 16 else _BLOCKS

@@ -1,0 +1,71 @@
+"""Software prefetch of a register tile's epilogue reads (enginekit/backends/tvm/prefetch.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tvm", reason="the tvm backend needs apache-tvm (pip install 'enginekit[tvm]')")
+
+
+def _conv(add: bool):
+    """A 3x3 NHWC conv (+ a second input as residual) + ReLU over a symbolic batch, lowered,
+    scheduled and compiled the way a build does; (VM, weight)."""
+    import tvm
+    from tvm import relax, tirx
+
+    from enginekit.backends.tvm import lower
+
+    w = (np.random.default_rng(0).standard_normal((3, 3, 32, 32)) * 0.1).astype("float32")
+    batch = tirx.Var("batch", "int64")
+    x = relax.Var("x", relax.TensorType((batch, 16, 16, 32), "float32"))
+    r = relax.Var("r", relax.TensorType((batch, 16, 16, 32), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, r]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, relax.const(w), padding=1, data_layout="NHWC",
+                                           kernel_layout="HWIO"))  # fmt: skip
+            if add:
+                y = bb.emit(relax.op.add(y, r))
+            out = bb.emit_output(bb.emit(relax.op.nn.relu(y)))
+        bb.emit_func_output(out)
+    target = lower.resolve_target(None, "cpu")
+    with target:
+        fused = tvm.transform.Sequential(
+            [
+                relax.transform.LegalizeOps(),
+                relax.transform.AnnotateTIROpPattern(),
+                relax.transform.FuseOps(),
+                relax.transform.FuseTIR(),
+            ]
+        )(bb.get())
+    scheduled, _ = lower.apply_schedules(fused, target, "enginekit")
+    ex = lower.compile_module(scheduled, target)
+    return ex, w
+
+
+def _reference(data: np.ndarray, w: np.ndarray, residual: np.ndarray | None) -> np.ndarray:
+    padded = np.pad(data, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 3), axis=(1, 2))
+    y = np.einsum("nhwcij,ijco->nhwo", windows, w)
+    return np.maximum(y if residual is None else y + residual, 0)
+
+
+@pytest.mark.parametrize("add", [True, False])
+def test_a_conv_tiles_residual_is_prefetched_before_its_reduction_and_results_match(add):
+    # The residual of conv + add is read in the tile's write-back, after its reduction: a
+    # prefetch of its lines at the tile's start. Without an add the write-back reads only
+    # the tile's registers: nothing to prefetch.
+    import tvm
+    from tvm import relax
+
+    ex, w = _conv(add)
+    assert ("@llvm.prefetch" in ex.mod.imports[0].inspect_source("ll")) == add
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    rng = np.random.default_rng(1)
+    for batch in (1, 3):
+        data = rng.standard_normal((batch, 16, 16, 32)).astype("float32")
+        residual = rng.standard_normal((batch, 16, 16, 32)).astype("float32")
+        got = vm["main"](tvm.runtime.tensor(data), tvm.runtime.tensor(residual)).numpy()
+        want = _reference(data, w, residual if add else None)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
