@@ -253,7 +253,8 @@ def _search(
     with step(f"searching int8 plans for {target}"):
         result = search(
             model.proto, table, rows, target, write, fallback, runner, runs_on, fit_rows=fit,
-            float_runner=float_runner, speed_vs=speed_vs, float_part=part,
+            float_runner=float_runner, speed_vs=speed_vs,
+            float_part=part.manifest_entry() if part is not None else None,
         )  # fmt: skip
     entry = {**entry, "accuracy_search": result.manifest_entry(target)}
     method, *steps = result.chosen.method.split("+")

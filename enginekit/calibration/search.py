@@ -58,7 +58,6 @@ from enginekit.calibration.bias import biases_from, correct_bias, correct_bias_s
 from enginekit.calibration.cost import layer_macs, plan_cost
 from enginekit.calibration.fallback import keep_float, quantized_nodes
 from enginekit.calibration.gptq import gptq_round
-from enginekit.calibration.mixed import FloatPart
 from enginekit.calibration.rounding import preserve_sums
 from enginekit.calibration.scoring import lower_bound, measure, rows_to_resolve
 from enginekit.calibration.table import CalibrationTable
@@ -346,7 +345,9 @@ class SearchResult:
     runs_on: str = "ONNX Runtime CPU"
     fit_rows: int = 0  # calibration rows the fitted steps used (0: none given)
     speed_vs: str = "ONNX Runtime CPU float32"  # what speedup_vs_fp32 is relative to
-    float_part: FloatPart | None = None  # the bf16 float part's f32 layers (mixed.py)
+    # The bf16 float part's manifest entry (``mixed.FloatPart.manifest_entry``; a mapping, so
+    # that this module need not import ``mixed``, which imports its types from here).
+    float_part: Mapping[str, Any] | None = None
 
     def manifest_entry(self, target: AccuracyTarget) -> dict[str, Any]:
         """What the manifest records: the target, every plan tried, the layers kept in float
@@ -370,7 +371,7 @@ class SearchResult:
             "fallback_precision": self.fallback,
             "fallback_reason": self.fallback_reason,
             "float_part": (
-                self.float_part.manifest_entry()
+                dict(self.float_part)
                 if self.float_part is not None
                 else {"precision": self.fallback, "reason": self.fallback_reason}
             ),
@@ -417,7 +418,7 @@ def search(
     fit_rows: Sequence[Feeds] = (),
     float_runner: Runner | None = None,
     speed_vs: str = "",
-    float_part: FloatPart | None = None,
+    float_part: Mapping[str, Any] | None = None,
 ) -> SearchResult:
     """The fastest plan meeting ``target`` on ``rows`` (held-out batches), see module doc.
 
@@ -437,7 +438,7 @@ def search(
         float_runner: what runs the float32 model every plan is timed against (default:
             ``runner``; a runner whose float part is bf16 passes its float32 twin, so that
             "x fp32" means fp32); ``speed_vs`` names it.
-        float_part: the bf16 float part's f32 layers, for the manifest (:mod:`.mixed`).
+        float_part: the bf16 float part's manifest entry (:mod:`.mixed`).
 
     Raises:
         CalibrationError: no held-out rows.
