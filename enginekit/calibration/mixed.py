@@ -29,6 +29,7 @@ import onnx
 
 from enginekit.calibration.accuracy import ort_runner
 from enginekit.calibration.scoring import measure
+from enginekit.calibration.search import rank_alone
 
 if TYPE_CHECKING:
     from enginekit.calibration.search import AccuracyTarget, Feeds, Runner
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
 WEIGHTED = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 #: Backends that keep named layers f32 inside a bf16 float part, and the option that names them.
 F32_OPTIONS = {"openvino": "f32_layers"}
-#: Rows each layer's bf16 sensitivity is measured on (each layer costs a compile and a run).
-SENSITIVITY_ROWS = 32
 
 #: f32 layers -> a runner of models with those layers f32 and the rest of the float part bf16.
 RunnerFor = Callable[[Sequence[str]], "Runner"]
@@ -184,18 +183,9 @@ def _sensitivity(
 ) -> tuple[list[tuple[str, float]], int]:
     """Each layer's output NMSE alone in bf16 (the others f32), most sensitive first, and the
     rows it was measured on."""
-    sample, count = [], 0
-    for feeds in rows:  # whole batches (a fixed-batch model takes no other size)
-        if count >= SENSITIVITY_ROWS:
-            break
-        sample.append(feeds)
-        count += _rows(feeds)
-    reference = _run(ort_runner(source), sample)
-    out = []
-    for name in layers:
-        run = runner_for([n for n in layers if n != name])(source)
-        out.append((name, measure(_run(run, sample), reference)["nmse"]))
-    return sorted(out, key=lambda item: -item[1]), count
+    return rank_alone(
+        source, layers, rows, lambda name: runner_for([n for n in layers if n != name])(source)
+    )
 
 
 def _run(run: Callable[[Feeds], Sequence[Any]], rows: Sequence[Feeds]) -> list[Any]:

@@ -664,6 +664,23 @@ def _sensitivity(
     runner: Runner,
 ) -> list[tuple[str, float]]:
     """Each layer's output NMSE when it alone is quantized, most sensitive first."""
+
+    def alone(name: str) -> Callable[[Feeds], Sequence[np.ndarray]]:
+        return runner(keep_float(base, source, [n for n in layers if n != name]))
+
+    return rank_alone(source, layers, rows, alone)[0]
+
+
+def rank_alone(
+    source: onnx.ModelProto,
+    layers: Sequence[str],
+    rows: Sequence[Feeds],
+    alone: Callable[[str], Callable[[Feeds], Sequence[Any]]],
+) -> tuple[list[tuple[str, float]], int]:
+    """Each layer's output NMSE against ``source`` on ONNX Runtime when ``alone(layer)`` (a
+    runner of the model with that layer alone changed: quantized, or in bf16) runs, measured
+    on the first whole batches of ``rows`` up to :data:`SENSITIVITY_ROWS`; most sensitive
+    first, and the rows measured."""
     sample, count = [], 0
     for feeds in rows:  # whole batches (a fixed-batch model takes no other size)
         if count >= SENSITIVITY_ROWS:
@@ -671,11 +688,8 @@ def _sensitivity(
         sample.append(feeds)
         count += _rows(feeds)
     reference = _run(ort_runner(source), sample)
-    out = []
-    for name in layers:
-        alone = keep_float(base, source, [n for n in layers if n != name])
-        out.append((name, measure(_run(runner(alone), sample), reference)["nmse"]))
-    return sorted(out, key=lambda item: -item[1])
+    out = [(name, measure(_run(alone(name), sample), reference)["nmse"]) for name in layers]
+    return sorted(out, key=lambda item: -item[1]), count
 
 
 def _orders(

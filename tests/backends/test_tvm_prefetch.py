@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tvm_conv_case import conv_relu_reference, fuse
 
 pytest.importorskip("tvm", reason="the tvm backend needs apache-tvm (pip install 'enginekit[tvm]')")
 
@@ -31,30 +32,11 @@ def _conv(add: bool):
 
 def _compile(mod):
     """``mod`` (Relax) legalized, fused, scheduled and compiled the way a build does."""
-    import tvm
-    from tvm import relax
-
     from enginekit.backends.tvm import lower
 
-    target = lower.resolve_target(None, "cpu")
-    with target:
-        fused = tvm.transform.Sequential(
-            [
-                relax.transform.LegalizeOps(),
-                relax.transform.AnnotateTIROpPattern(),
-                relax.transform.FuseOps(),
-                relax.transform.FuseTIR(),
-            ]
-        )(mod)
+    fused, target = fuse(mod)
     scheduled, _ = lower.apply_schedules(fused, target, "enginekit")
     return lower.compile_module(scheduled, target)
-
-
-def _reference(data: np.ndarray, w: np.ndarray, residual: np.ndarray | None) -> np.ndarray:
-    padded = np.pad(data, ((0, 0), (1, 1), (1, 1), (0, 0)))
-    windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 3), axis=(1, 2))
-    y = np.einsum("nhwcij,ijco->nhwo", windows, w)
-    return np.maximum(y if residual is None else y + residual, 0)
 
 
 @pytest.mark.parametrize("add", [True, False])
@@ -73,7 +55,7 @@ def test_a_conv_tiles_residual_is_prefetched_before_its_reduction_and_results_ma
         data = rng.standard_normal((batch, 16, 16, 32)).astype("float32")
         residual = rng.standard_normal((batch, 16, 16, 32)).astype("float32")
         got = vm["main"](tvm.runtime.tensor(data), tvm.runtime.tensor(residual)).numpy()
-        want = _reference(data, w, residual if add else None)
+        want = conv_relu_reference(data, w, residual if add else None)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -77,3 +77,28 @@ def calib_x() -> np.ndarray:
 @pytest.fixture(scope="session")
 def tiny_table(tiny_cnn_path: Path, calib_x: np.ndarray) -> ek.CalibrationTable:
     return ek.calibrate(tiny_cnn_path, calib_x, method="entropy", batch_size=16)
+
+
+def two_gemm(w1: np.ndarray, w2: np.ndarray, names: tuple[str, str], graph: str) -> onnx.ModelProto:
+    """x[batch,K] -> Gemm ``names[0]`` (w1, zero bias) -> h -> Gemm ``names[1]`` (w2, zero bias)
+    -> logits[batch,N]: the two-layer MLP the accuracy-search tests shape by their weights."""
+    inits = [
+        numpy_helper.from_array(w1.astype(np.float32), "w1"),
+        numpy_helper.from_array(np.zeros(w1.shape[1], np.float32), "b1"),
+        numpy_helper.from_array(w2.astype(np.float32), "w2"),
+        numpy_helper.from_array(np.zeros(w2.shape[1], np.float32), "b2"),
+    ]
+    nodes = [
+        helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name=names[0]),
+        helper.make_node("Gemm", ["h", "w2", "b2"], ["logits"], name=names[1]),
+    ]
+    io = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", w1.shape[0]]),
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", w2.shape[1]]),
+    ]
+    model = helper.make_model(
+        helper.make_graph(nodes, graph, io[:1], io[1:], inits),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    model.ir_version = 8
+    return model

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from calib_models import two_gemm
 
 import enginekit as ek
 from enginekit import backends, target
@@ -29,26 +29,7 @@ def offset_mlp() -> onnx.ModelProto:
     wa = rng.standard_normal((8, 8)).astype(np.float32)
     wa -= wa.mean(axis=0, keepdims=True)
     wb = rng.standard_normal((8, CLASSES)).astype(np.float32)
-    inits = [
-        numpy_helper.from_array(wa, "wa"),
-        numpy_helper.from_array(np.zeros(8, np.float32), "ba"),
-        numpy_helper.from_array(wb, "wb"),
-        numpy_helper.from_array(np.zeros(CLASSES, np.float32), "bb"),
-    ]
-    nodes = [
-        helper.make_node("Gemm", ["x", "wa", "ba"], ["h"], name="fc_a"),
-        helper.make_node("Gemm", ["h", "wb", "bb"], ["logits"], name="fc_b"),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "offset_mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", CLASSES])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
+    return two_gemm(wa, wb, ("fc_a", "fc_b"), "offset_mlp")
 
 
 @pytest.fixture(scope="module")

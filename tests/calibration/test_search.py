@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from calib_models import two_gemm
 from onnx import TensorProto, helper, numpy_helper
 
 import enginekit as ek
@@ -28,26 +29,7 @@ def outlier_mlp() -> onnx.ModelProto:
     w1[:, 7] *= 1000.0
     w2 = rng.standard_normal((8, CLASSES)).astype(np.float32)
     w2[7, :] = 0.0
-    inits = [
-        numpy_helper.from_array(w1, "w1"),
-        numpy_helper.from_array(np.zeros(8, np.float32), "b1"),
-        numpy_helper.from_array(w2, "w2"),
-        numpy_helper.from_array(np.zeros(CLASSES, np.float32), "b2"),
-    ]
-    nodes = [
-        helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1"),
-        helper.make_node("Gemm", ["h", "w2", "b2"], ["logits"], name="fc2"),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "outlier_mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", CLASSES])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
+    return two_gemm(w1, w2, ("fc1", "fc2"), "outlier_mlp")
 
 
 @pytest.fixture(scope="module")
