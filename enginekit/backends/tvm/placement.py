@@ -135,3 +135,15 @@ def _weight_elements(sch: Any, block: Any) -> int:
         and not (r.source.shape and out.shape and _same(r.source.shape[0], out.shape[0]))
     ]
     return max(sizes, default=0)
+
+
+#: Weight elements (float32: 1 MiB, a core's L2 here) from which a weight-bound kernel's
+#: weight stream is prefetched ahead in its reduction loop; see :func:`_streams_weights`.
+STREAM_WEIGHT = 1 << 20
+
+
+def _streams_weights(sch: Any, block: Any) -> bool:
+    """Whether the block is weight-bound (:func:`_weight_bound`) with a weight of at least
+    :data:`STREAM_WEIGHT` elements: at batch 1 it streams that weight from memory once per
+    call, and its tile loop is marked for :func:`.prefetch.prefetch_streams`."""
+    return _weight_bound(sch, block) and _weight_elements(sch, block) >= STREAM_WEIGHT

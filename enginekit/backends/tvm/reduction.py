@@ -14,7 +14,9 @@ from enginekit.backends.tvm.placement import (
     _fuse_short_rows,
     _narrow_window,
     _pads_inner_axis,
+    _streams_weights,
 )
+from enginekit.backends.tvm.prefetch import STREAM
 from enginekit.backends.tvm.rows import _half_vector_rows, _row_pads, _sequence_rows
 from enginekit.backends.tvm.simd import (
     _divides,
@@ -179,6 +181,8 @@ def _schedule_reduction(
             tile = at = sch.fuse(*outer) if len(outer) > 1 else outer[0]
             if parallel:
                 sch.parallel(tile)
+            if reduce and _streams_weights(sch, block):
+                sch.annotate(tile, STREAM, 1)
     epilogue = list(infos[index + 1 :])
     if reduce and tile is not None:
         # Accumulate the tile in registers, then write it back through the fused epilogue.
