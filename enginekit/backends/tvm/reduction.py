@@ -182,6 +182,8 @@ def _schedule_reduction(
             if parallel:
                 sch.parallel(tile)
             if reduce and _streams_weights(sch, block):
+                # Its weight comes from memory every call at batch 1: prefetched ahead in
+                # the reduction loop by a pass after lowering (:mod:`.prefetch`).
                 sch.annotate(tile, STREAM, 1)
     epilogue = list(infos[index + 1 :])
     if reduce and tile is not None:
