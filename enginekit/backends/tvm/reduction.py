@@ -117,7 +117,7 @@ def _schedule_reduction(
     if v_extent is None and _divides(sch, v, 2 * lanes):
         fv = 2 * lanes  # a symbolic axis padded by _pad_symbolic (a sequence length)
     outer = list(spatial[:-1])
-    if len(reduce) == 1 and fv is not None and len(outer) >= 2:
+    if (len(reduce) == 1 or _streams_weights(sch, block)) and fv is not None and len(outer) >= 2:
         _fuse_short_rows(sch, outer, lanes)
     if reduce and fv is not None and (not outer or _row_factor(sch, outer[-1], lanes) == 1):
         # No row to block (a matmul over a symbolic batch, a GEMV): one vector of
