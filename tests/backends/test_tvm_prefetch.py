@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tvm_conv_case import conv_relu_reference, fuse
+from tvm_conv_case import conv_relu_reference, fuse, fused_conv_relu
 
 pytest.importorskip("tvm", reason="the tvm backend needs apache-tvm (pip install 'enginekit[tvm]')")
 
@@ -96,3 +96,99 @@ def test_a_residual_index_bound_inside_a_guarded_write_back_is_substituted_not_r
         residual = rng.standard_normal((batch, 16, 64)).astype("float32")
         got = vm["main"](tvm.runtime.tensor(data), tvm.runtime.tensor(residual)).numpy()
         np.testing.assert_allclose(got, data @ w + residual, rtol=1e-4, atol=1e-4)
+
+
+def _conv_relu(channels: int, pixels: int):
+    """A 3x3 NHWC conv + ReLU over a symbolic batch, ``channels`` in and out at ``pixels`` x
+    ``pixels``, compiled the way a build does; (executable, weight)."""
+    from tvm import relax, tirx
+
+    from enginekit.backends.tvm import lower
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((3, 3, channels, channels)) * 0.02).astype("float32")
+    x = relax.Var("x", relax.TensorType((tirx.Var("batch", "int64"), pixels, pixels, channels),
+                                        "float32"))  # fmt: skip
+    fused, target = fused_conv_relu(x, w)
+    scheduled, _ = lower.apply_schedules(fused, target, "enginekit")
+    return lower.compile_module(scheduled, target), w
+
+
+def test_a_weight_bound_convs_large_weight_stream_is_prefetched_ahead_and_results_match():
+    # ResNet-50's last-stage 3x3 conv at 64x64 inputs: 2x2 pixels, 512 channels, a 9 MB
+    # weight read once per call at batch 1 (from memory: it does not stay in cache between
+    # calls). Its tile loop is marked and its reduction loop prefetches the packed weight
+    # stream ahead. A conv whose weight fits a core's cache (32 channels) is not marked.
+    import tvm
+    from tvm import relax
+
+    from enginekit.backends.tvm import placement
+
+    assert 3 * 3 * 512 * 512 >= placement.STREAM_WEIGHT > 3 * 3 * 32 * 32
+    ex, w = _conv_relu(512, 2)
+    assert "@llvm.prefetch" in ex.mod.imports[0].inspect_source("ll")
+    small, _ = _conv_relu(32, 16)
+    assert "@llvm.prefetch" not in small.mod.imports[0].inspect_source("ll")
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    rng = np.random.default_rng(1)
+    for batch in (1, 2):
+        data = rng.standard_normal((batch, 2, 2, 512)).astype("float32")
+        got = vm["main"](tvm.runtime.tensor(data)).numpy()
+        np.testing.assert_allclose(got, conv_relu_reference(data, w), rtol=1e-4, atol=1e-4)
+
+
+def _stream_kernel(marked: bool):
+    """A lowered tile kernel: a parallel loop (marked as streaming its weight, or not), a
+    local tile, a reduction over ``k`` reading 32 contiguous weights per step, a write-back."""
+    from tvm.script import tirx as T
+
+    from enginekit.backends.tvm.prefetch import STREAM
+
+    annotations = {STREAM: 1} if marked else {}
+
+    @T.prim_func
+    def tile(x: T.Buffer((256,), "float32"), w: T.Buffer((65536,), "float32"),
+             y: T.Buffer((256,), "float32")):  # fmt: skip
+        for t in T.parallel(8, annotations=annotations):
+            acc = T.alloc_buffer((32,), "float32", scope="local")
+            for j in range(32):
+                acc[j] = T.float32(0)
+            for k in range(256):
+                acc[0:16] = (
+                    acc[T.Ramp(0, 1, 16)]
+                    + T.Broadcast(x[k], 16) * w[T.Ramp(t * 8192 + k * 32, 1, 16)]
+                )
+                acc[16:32] = (
+                    acc[T.Ramp(16, 1, 16)]
+                    + T.Broadcast(x[k], 16) * w[T.Ramp(t * 8192 + k * 32 + 16, 1, 16)]
+                )
+            for j in range(32):
+                y[t * 32 + j] = acc[j]
+
+    return tile
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_marked_tile_loop_prefetches_its_contiguous_weight_stream_ahead_in_the_reduction(
+    marked,
+):
+    # Two 16-lane loads per step, 32 floats (128 bytes) apart per k: one stream of two cache
+    # lines per step, prefetched STREAM_AHEAD bytes ahead at the start of each step.
+    import tvm
+
+    from enginekit.backends.tvm import prefetch
+
+    mod = prefetch.prefetch_streams(tvm.IRModule({"main": _stream_kernel(marked)}))
+    text = mod["main"].script()
+    assert prefetch.STREAM not in text  # the mark is consumed
+    lines = text.splitlines()
+    prefetches = [i for i, line in enumerate(lines) if "T.prefetch" in line]
+    assert len(prefetches) == (2 if marked else 0)
+    if marked:
+        # inside the reduction loop over k, before its updates, STREAM_AHEAD bytes ahead
+        reduction = next(i for i, line in enumerate(lines) if "for k in range(256)" in line)
+        update = next(i for i, line in enumerate(lines) if "acc[0:16] =" in line)
+        assert all(reduction < i < update for i in prefetches)
+        ahead = prefetch.STREAM_AHEAD // 4
+        assert f"w[t * 8192 + k * 32 + {ahead}]" in lines[prefetches[0]]
+        assert f"w[t * 8192 + k * 32 + {ahead + 16}]" in lines[prefetches[1]]

@@ -51,6 +51,21 @@ def test_a_conv_with_a_large_weight_puts_its_channel_tiles_outside_the_batch(lan
 
 
 @pytest.mark.parametrize("lanes", LANES)
+def test_a_window_conv_streaming_a_large_weight_blocks_its_short_rows_pixels_in_one_tile(lanes):
+    # ResNet-50's last-stage 3x3 convs at 64x64 inputs (2x2 pixels, 512 channels, 9 MB of
+    # weight): a tile of one row's 2 pixels read each weight strip once per row; the 4
+    # pixels in one tile read it once, and the tile loop is marked for the weight-stream
+    # prefetch. A conv whose weight stays in cache keeps its column block.
+    from enginekit.backends.tvm import prefetch, schedule
+
+    large = schedule.schedule_cpu(_conv(2, 2, 512, 512), lanes).mod.script()
+    assert re.search(r"for ax1_ax2_fused in T\.unroll\(4\)", large)
+    assert prefetch.STREAM in large
+    small = schedule.schedule_cpu(_conv(2, 2, 40, 96), lanes).mod.script()
+    assert "ax1_ax2_fused" not in small and prefetch.STREAM not in small
+
+
+@pytest.mark.parametrize("lanes", LANES)
 @pytest.mark.parametrize(
     ("batch", "pixels", "cin", "cout"), [(2, 2, 300, 1000), (5, 3, 37, 24), (1, 8, 19, 32)]
 )

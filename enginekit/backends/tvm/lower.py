@@ -11,7 +11,8 @@ The pipeline (one place, so tuning extracts its tasks from exactly the kernels i
 4. tuned schedules from a MetaSchedule database, if any, then enginekit's CPU rules
    (:mod:`.schedule`) or DLight's GPU rules for every kernel left;
 5. ``tvm.compile`` to a Relax VM executable (on CPU with register tiles kept on the stack,
-   :mod:`.stack`, and their epilogue reads prefetched, :mod:`.prefetch`).
+   :mod:`.stack`, and their epilogue reads and marked weight streams prefetched,
+   :mod:`.prefetch`).
 """
 
 from __future__ import annotations
@@ -489,8 +490,8 @@ def compile_module(mod: Any, target: Any) -> Any:
 
     from enginekit.backends.tvm.stack import pipeline
 
-    # On CPU, register tiles stay stack arrays and their epilogue reads are prefetched
-    # (:mod:`.stack`, :mod:`.prefetch`); elsewhere TVM's own pipeline.
+    # On CPU, register tiles stay stack arrays, their epilogue reads and marked weight
+    # streams are prefetched (:mod:`.stack`, :mod:`.prefetch`); elsewhere TVM's own pipeline.
     tir = pipeline() if target.kind.name == "llvm" else "default"
     try:
         return tvm.compile(mod, target=target, tir_pipeline=tir)

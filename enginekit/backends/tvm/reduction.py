@@ -14,7 +14,9 @@ from enginekit.backends.tvm.placement import (
     _fuse_short_rows,
     _narrow_window,
     _pads_inner_axis,
+    _streams_weights,
 )
+from enginekit.backends.tvm.prefetch import STREAM
 from enginekit.backends.tvm.rows import _half_vector_rows, _row_pads, _sequence_rows
 from enginekit.backends.tvm.simd import (
     _divides,
@@ -115,7 +117,7 @@ def _schedule_reduction(
     if v_extent is None and _divides(sch, v, 2 * lanes):
         fv = 2 * lanes  # a symbolic axis padded by _pad_symbolic (a sequence length)
     outer = list(spatial[:-1])
-    if len(reduce) == 1 and fv is not None and len(outer) >= 2:
+    if (len(reduce) == 1 or _streams_weights(sch, block)) and fv is not None and len(outer) >= 2:
         _fuse_short_rows(sch, outer, lanes)
     if reduce and fv is not None and (not outer or _row_factor(sch, outer[-1], lanes) == 1):
         # No row to block (a matmul over a symbolic batch, a GEMV): one vector of
@@ -179,6 +181,10 @@ def _schedule_reduction(
             tile = at = sch.fuse(*outer) if len(outer) > 1 else outer[0]
             if parallel:
                 sch.parallel(tile)
+            if reduce and _streams_weights(sch, block):
+                # Its weight comes from memory every call at batch 1: prefetched ahead in
+                # the reduction loop by a pass after lowering (:mod:`.prefetch`).
+                sch.annotate(tile, STREAM, 1)
     epilogue = list(infos[index + 1 :])
     if reduce and tile is not None:
         # Accumulate the tile in registers, then write it back through the fused epilogue.

@@ -64,21 +64,22 @@ def stack_tiles(mod: Any) -> Any:
 
 def pipeline() -> str:
     """The name of TVM's default TIR pipeline followed by
-    :func:`.prefetch.prefetch_epilogues` and :func:`stack_tiles` (registered on first use),
-    for ``tvm.compile(..., tir_pipeline=...)`` on CPU targets."""
+    :func:`.prefetch.prefetch_epilogues`, :func:`.prefetch.prefetch_streams` and
+    :func:`stack_tiles` (registered on first use), for ``tvm.compile(..., tir_pipeline=...)``
+    on CPU targets."""
     import tvm
     from tvm.tirx import compilation_pipeline
 
-    from enginekit.backends.tvm.prefetch import prefetch_epilogues
+    from enginekit.backends.tvm.prefetch import prefetch_epilogues, prefetch_streams
 
     if PIPELINE not in compilation_pipeline.PIPELINE_MAP:
 
         def factory() -> tuple[Any, Any, Any]:
             lower, host, device = compilation_pipeline.get_tir_pipeline("s_tir")
             tiles = tvm.transform.module_pass(
-                lambda mod, _ctx: stack_tiles(prefetch_epilogues(mod)),
+                lambda mod, _ctx: stack_tiles(prefetch_streams(prefetch_epilogues(mod))),
                 opt_level=0,
-                name="StackTilesPrefetchEpilogues",
+                name="StackTilesPrefetch",
             )
             return tvm.transform.Sequential([lower, tiles]), host, device
 
