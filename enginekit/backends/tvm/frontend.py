@@ -328,12 +328,15 @@ def import_proto(
     """:func:`import_onnx` on a ModelProto whose graph inputs have the ``dtypes`` given."""
     from tvm.relax.frontend.onnx import from_onnx
 
+    from enginekit.backends.tvm.branches import taken_branches
     from enginekit.backends.tvm.expand import constant_values
 
     proto, expanded = _rewritten(source)
     proto = constant_values(proto)
+    proto, taken = taken_branches(proto)
     if expanded:
         log.info("tvm: rewritten into simpler ops: %s", ", ".join(expanded))
+    if expanded or taken:
         proto = _folded(proto)
     check_nodes(proto)
     try:
