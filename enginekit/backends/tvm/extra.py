@@ -12,6 +12,7 @@
 - ``Upsample``: ``scales`` as an input (opset 9) was not read, and nearest rounded.
 - ``Split`` with sizes of 0: failed after import.
 - ``Unsqueeze`` with a 0-d constant ``axes`` (ONNX Runtime takes one): iterated over it.
+- ``IsInf``: ignored ``detect_negative`` and ``detect_positive``.
 - ``HannWindow``, ``HammingWindow``, ``BlackmanWindow``: no converter; their sizes are value
   inputs (:mod:`enginekit.backends.tvm.values`), so the window is a constant.
 """
@@ -226,6 +227,20 @@ def converters() -> dict[str, Any]:
         def _impl_v13(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
             return super()._impl_v13(bb, _axes_vector(inputs, params), attr, params)
 
+    class IsInf(onnx_frontend.IsInf):
+        """IsInf with ``detect_negative``/``detect_positive``: TVM 0.27 ignored both."""
+
+        @classmethod
+        def _impl_v10(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x = inputs[0]
+            y = relax.op.isinf(x)
+            zero = relax.const(0, x.ty.dtype)
+            if not int(attr.get("detect_negative", 1)):
+                y = relax.op.logical_and(y, relax.op.greater(x, zero))
+            if not int(attr.get("detect_positive", 1)):
+                y = relax.op.logical_and(y, relax.op.less(x, zero))
+            return bb.emit(y)
+
     def _integral(depth: Any) -> Any:
         """A float ``depth`` constant as int64 (TVM's one_hot takes an int depth)."""
         if not isinstance(depth, tvm.ir.GenericConst):
@@ -243,6 +258,7 @@ def converters() -> dict[str, Any]:
         "Upsample": Upsample,
         "Split": Split,
         "Unsqueeze": Unsqueeze,
+        "IsInf": IsInf,
         **{op: _window_converter(op, coefficients) for op, coefficients in WINDOWS.items()},
     }
 
