@@ -238,3 +238,14 @@ def test_split_with_a_piece_of_size_zero(tmp_path):
     outputs = {"a": F, "b": F, "c": F}
     path = save_graph(tmp_path, [node], {"x": (F, (2, 5))}, outputs, 13, [sizes])
     _check(path, {"x": np.arange(10, dtype=np.float32).reshape(2, 5)})
+
+
+def test_is_inf_detects_one_sign_only(tmp_path):
+    # TVM ignored detect_negative / detect_positive and flagged both infinities.
+    nodes = [
+        helper.make_node("IsInf", ["x"], ["pos"], detect_negative=0),
+        helper.make_node("IsInf", ["x"], ["neg"], detect_positive=0),
+    ]
+    b = TensorProto.BOOL
+    path = save_graph(tmp_path, nodes, {"x": (F, (5,))}, {"pos": b, "neg": b}, 20)
+    _check(path, {"x": np.array([-np.inf, -1.0, 0.0, np.inf, np.nan], np.float32)})

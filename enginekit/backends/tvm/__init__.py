@@ -172,7 +172,7 @@ def _lower(
 def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     """Import, lay out, fuse, schedule (and optionally tune) and compile the model."""
     _tvm()
-    from enginekit.backends.tvm import frontend, lower, tune
+    from enginekit.backends.tvm import lower, tune
     from enginekit.backends.tvm.specialize import parse_specialize
 
     if config.precision not in (Precision.FP32, Precision.BF16):
@@ -203,7 +203,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
     found, example = _value_inputs(model, config)
     start = time.perf_counter()
     with step("importing ONNX into Relax"):
-        mod = frontend.import_onnx(model, values=example)
+        mod = _import_example(model, config, found, example)
     fallback = None
     try:
         graph, kernels, scheduled, barriers = _lower(mod, target, opts, workdir)
@@ -288,6 +288,32 @@ def _value_inputs(model: Model, config: BuildConfig) -> tuple[dict[str, str], di
         example = accepted(model.proto, example)
     log.info("tvm: value inputs %s, compiled for %s", list(found), values.describe(example))
     return found, example
+
+
+def _import_example(
+    model: Model, config: BuildConfig, found: Mapping[str, str], example: Mapping[str, Any]
+) -> Any:
+    """The model imported for the value inputs' ``example`` values.
+
+    Raises:
+        BuildError: the import failed; where the values were generated (no ``verify_data``),
+            the error says so and asks for ``verify_data=``: generated values may be ones ONNX
+            Runtime runs but that make a degenerate program (a zero-size grid from
+            AffineGrid's expanded body).
+    """
+    from enginekit.backends import values
+    from enginekit.backends.tvm import frontend
+
+    try:
+        return frontend.import_onnx(model, values=example)
+    except BuildError as exc:
+        if not found or config.verify_example is not None or "verify_data" in str(exc):
+            raise
+        raise BuildError(
+            f"{exc} The value inputs {list(found)} were compiled in with generated values "
+            f"({values.describe(example)}): pass verify_data= (CLI: --verify-data) with "
+            "inputs the model is run with."
+        ) from None
 
 
 def _values_metadata(found: Mapping[str, str], example: Mapping[str, Any]) -> Any:

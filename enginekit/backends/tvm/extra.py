@@ -11,6 +11,8 @@
 - ``Slice`` before opset 10 (attributes, not inputs): not converted.
 - ``Upsample``: ``scales`` as an input (opset 9) was not read, and nearest rounded.
 - ``Split`` with sizes of 0: failed after import.
+- ``Unsqueeze`` with a 0-d constant ``axes`` (ONNX Runtime takes one): iterated over it.
+- ``IsInf``: ignored ``detect_negative`` and ``detect_positive``.
 - ``HannWindow``, ``HammingWindow``, ``BlackmanWindow``: no converter; their sizes are value
   inputs (:mod:`enginekit.backends.tvm.values`), so the window is a constant.
 """
@@ -207,6 +209,38 @@ def converters() -> dict[str, Any]:
                 start += size
             return relax.Tuple(pieces)
 
+    def _axes_vector(inputs: Any, params: Any) -> Any:
+        """``inputs`` with a 0-d constant ``axes`` (input 1) made a one-element vector: ONNX
+        Runtime takes a scalar there (ONNX's ``AffineGrid`` body unsqueezes by the constant
+        ``-1``), TVM 0.27 iterated over it ("'int' object is not iterable")."""
+        axes = onnx_frontend.get_constant(inputs[1], params) if len(inputs) > 1 else None
+        if not isinstance(axes, tvm.ir.GenericConst) or axes.value.numpy().ndim != 0:
+            return inputs
+        inputs = onnx_frontend.onnx_input(inputs)
+        inputs[1] = relax.const(axes.value.numpy().reshape(1).astype("int64"), "int64")
+        return inputs
+
+    class Unsqueeze(onnx_frontend.Unsqueeze):
+        """Unsqueeze whose ``axes`` is a 0-d constant (see ``_axes_vector``)."""
+
+        @classmethod
+        def _impl_v13(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            return super()._impl_v13(bb, _axes_vector(inputs, params), attr, params)
+
+    class IsInf(onnx_frontend.IsInf):
+        """IsInf with ``detect_negative``/``detect_positive``: TVM 0.27 ignored both."""
+
+        @classmethod
+        def _impl_v10(cls, bb: Any, inputs: Any, attr: Any, params: Any) -> Any:
+            x = inputs[0]
+            y = relax.op.isinf(x)
+            zero = relax.const(0, x.ty.dtype)
+            if not int(attr.get("detect_negative", 1)):
+                y = relax.op.logical_and(y, relax.op.greater(x, zero))
+            if not int(attr.get("detect_positive", 1)):
+                y = relax.op.logical_and(y, relax.op.less(x, zero))
+            return bb.emit(y)
+
     def _integral(depth: Any) -> Any:
         """A float ``depth`` constant as int64 (TVM's one_hot takes an int depth)."""
         if not isinstance(depth, tvm.ir.GenericConst):
@@ -223,6 +257,8 @@ def converters() -> dict[str, Any]:
         "Slice": Slice,
         "Upsample": Upsample,
         "Split": Split,
+        "Unsqueeze": Unsqueeze,
+        "IsInf": IsInf,
         **{op: _window_converter(op, coefficients) for op, coefficients in WINDOWS.items()},
     }
 
