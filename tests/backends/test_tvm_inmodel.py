@@ -147,3 +147,17 @@ def test_enginekit_tuning_builds_a_verified_static_module_and_reuses_its_databas
     )
     for e in (first, second):
         e.close()
+
+
+def test_cli_tune_method_maps_to_the_tune_option_and_needs_trials(onnx_model, capsys):
+    import argparse
+
+    from enginekit.cli import main
+    from enginekit.cli.build import _tvm_options
+
+    flags = {"layout": None, "target": None, "tuning_db": None, "tune_batch": [1]}
+    args = argparse.Namespace(**flags, tune_trials=8, tune_method="metaschedule")
+    assert _tvm_options(args)["tune"] == {"trials": 8, "batch_sizes": [1], "method": "metaschedule"}
+    usage = ["build", str(onnx_model("cnn")), "--backend", "tvm", "--tune-method", "enginekit"]
+    assert main(usage + ["-o", "x.ekit"]) == 2
+    assert "--tune-method needs --tune-trials" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """TVM backend: the ONNX model imported into Relax, laid out NHWC, fused, scheduled and
-compiled to a shared library; optionally MetaSchedule-tuned for the batch sizes users name.
+compiled to a shared library; optionally tuned (enginekit's in-model tuner or MetaSchedule)
+for the batch sizes users name.
 
 Payload: ``model.so`` (symbolic batch: one module for every shape in the profiles),
 ``model-b<N>.so`` (a tuned static module per tuned batch size), ``model-static-b<N>.so``
