@@ -187,7 +187,12 @@ def _add_tvm_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tvm backend (shorthands for -O options)")
     g.add_argument("--layout", choices=["NHWC", "NCHW"], help="conv layout (default NHWC on CPU)")
     g.add_argument("--target", help="TVM target: JSON dict, 'llvm' (portable) or 'cuda'")
-    g.add_argument("--tune-trials", type=int, help="MetaSchedule trials per tuned batch size")
+    g.add_argument("--tune-trials", type=int, help="tuning trials per tuned batch size")
+    g.add_argument(
+        "--tune-method",
+        choices=["enginekit", "metaschedule"],
+        help="tuner (default enginekit: its schedule's alternatives timed in the model)",
+    )
     g.add_argument(
         "--tune-batch", type=int, action="append", help="batch size to tune (repeatable)"
     )
@@ -202,11 +207,14 @@ def _tvm_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.target:
         out["target"] = parse_option(f"target={args.target}")[1]
     if args.tune_trials is not None:
-        out["tune"] = {"trials": args.tune_trials} | (
-            {"batch_sizes": args.tune_batch} if args.tune_batch else {}
+        out["tune"] = (
+            {"trials": args.tune_trials}
+            | ({"batch_sizes": args.tune_batch} if args.tune_batch else {})
+            | ({"method": args.tune_method} if args.tune_method else {})
         )
-    elif args.tune_batch:
-        raise UsageError("--tune-batch needs --tune-trials N")
+    elif args.tune_batch or args.tune_method:
+        flag = "--tune-batch" if args.tune_batch else "--tune-method"
+        raise UsageError(f"{flag} needs --tune-trials N")
     if args.tuning_db:
         out["tuning_db"] = args.tuning_db
     return out

@@ -179,9 +179,9 @@ def test_a_compile_failure_with_run_time_choices_is_retried_without_them(mlp_pat
     real_apply, real_compile = lower.apply_schedules, lower.compile_module
     calls: list[bool] = []
 
-    def apply(mod, target, schedule, database=None, choices=True):
+    def apply(mod, target, schedule, database=None, choices=True, knobs=None):
         calls.append(choices)
-        return real_apply(mod, target, schedule, database, choices)
+        return real_apply(mod, target, schedule, database, choices, knobs)
 
     def compile_once_failing(mod, target):
         if len(calls) == 1:

@@ -1,5 +1,6 @@
 """TVM backend: the ONNX model imported into Relax, laid out NHWC, fused, scheduled and
-compiled to a shared library; optionally MetaSchedule-tuned for the batch sizes users name.
+compiled to a shared library; optionally tuned (enginekit's in-model tuner or MetaSchedule)
+for the batch sizes users name.
 
 Payload: ``model.so`` (symbolic batch: one module for every shape in the profiles),
 ``model-b<N>.so`` (a tuned static module per tuned batch size), ``model-static-b<N>.so``
@@ -51,8 +52,10 @@ OPTIONS = {
     "device); a dict in TVM's JSON form such as {'kind': 'llvm', 'mcpu': 'skylake-avx512'} "
     "to cross-compile; 'llvm' for generic, portable CPU code; 'cuda' or {'kind': 'cuda', "
     "'arch': 'sm_90'}",
-    "tune": "MetaSchedule tuning: {'trials': N, 'batch_sizes': [1, 8]} gives each listed batch "
-    "size a static module tuned with N trials (needs the tvm-tune extra); default: no tuning",
+    "tune": "tuning: {'trials': N, 'batch_sizes': [1, 8], 'method': 'enginekit' or "
+    "'metaschedule', 'seconds': S} gives each listed batch size a static module tuned with N "
+    "trials (enginekit: candidates of its own schedule timed in the model, within S seconds; "
+    "metaschedule needs the tvm-tune extra); default: no tuning",
     "tuning_db": "directory of the tuning database to keep and reuse across builds (default: "
     "a temporary one, discarded)",
     "specialize": "static-shape modules compiled besides the dynamic one, run when a batch's "
@@ -198,7 +201,7 @@ def build(model: Model, config: BuildConfig, workdir: Path) -> BuildResult:
         _default_batch(config, model),
         spec.batch_sizes if spec is not None else (),
     )
-    if spec is not None:
+    if spec is not None and spec.method == "metaschedule":
         tune.require_tuning_deps()
     found, example = _value_inputs(model, config)
     start = time.perf_counter()
@@ -337,7 +340,7 @@ def _tuned_modules(
     workdir: Path,
     example: Mapping[str, Any],
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from enginekit.backends.tvm import frontend, lower, tune
+    from enginekit.backends.tvm import frontend, inmodel, lower, tune
     from enginekit.backends.tvm.specialize import compile_library, static_shapes, verify_static
 
     if target.kind.name != "llvm":
@@ -352,15 +355,22 @@ def _tuned_modules(
     for batch in spec.batch_sizes:
         shapes = static_shapes(model, config, batch)
         label = f"batch {batch}"
-        with step(f"tuning {label} ({spec.trials} trials)"):
+        knobs: dict[str, Any] | None = None
+        with step(f"tuning {label} ({spec.trials} trials, {spec.method})"):
             mod = frontend.import_onnx(model, shapes, values=example)
             _, fused, _ = lower.optimize(mod, target, opts["layout"], opts["precision"])
-            runs[str(batch)] = tune.tune(fused, target, spec, db_dir, label)
+            if spec.method == "enginekit":
+                runs[str(batch)], knobs = inmodel.tune(
+                    fused, target, spec.trials, db_dir, label, spec.seconds, example
+                )
+            else:
+                runs[str(batch)] = tune.tune(fused, target, spec, db_dir, label)
         name = f"model-b{batch}.so"
         with step(f"compiling {name} with the tuned kernels"):
-            tuned, _ = compile_library(
-                fused, target, opts, tune.open_database(db_dir), workdir / name
-            )
+            database = tune.open_database(db_dir) if knobs is None else None
+            tuned, _ = compile_library(fused, target, opts, database, workdir / name, knobs)
+            if knobs is not None:
+                tuned = sorted(runs[str(batch)].pop("changed_kernels"))
         modules.append(
             {
                 "file": name,
@@ -372,7 +382,9 @@ def _tuned_modules(
         with step("verifying the tuned modules against ONNX Runtime CPU"):
             verify_static(model, config, modules, workdir, example)
     tuning = {
+        "method": spec.method,
         "trials": spec.trials,
+        "seconds_budget": spec.seconds,
         "batch_sizes": list(spec.batch_sizes),
         "database": str(db_dir) if kept else None,
         "seconds": round(time.perf_counter() - start, 2),

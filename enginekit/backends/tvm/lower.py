@@ -418,9 +418,15 @@ def _repacks(func: Any, key: str) -> bool:
 
 
 def apply_schedules(
-    mod: Any, target: Any, schedule: str, database: Any = None, choices: bool = True
+    mod: Any,
+    target: Any,
+    schedule: str,
+    database: Any = None,
+    choices: bool = True,
+    knobs: Mapping[str, Any] | None = None,
 ) -> tuple[Any, list[str]]:
-    """Step 4: tuned kernels from ``database``, default schedules for the rest.
+    """Step 4: tuned kernels from ``database``, default schedules for the rest (with
+    ``knobs``, a tuner's choices by kernel key, :mod:`.knobs`).
 
     Returns:
         the scheduled module and the names of the kernels the database supplied.
@@ -443,7 +449,7 @@ def apply_schedules(
             # Kernel parameters bound to constants are marked layout-free: the rule may repack
             # those weights, in a block of its own that is split out and folded at build time.
             mod = mark_layout_free(mod)
-            mod = dlight.ApplyDefaultSchedule(*cpu_rules(target, choices))(mod)
+            mod = dlight.ApplyDefaultSchedule(*cpu_rules(target, choices, knobs))(mod)
             mod = tvm.transform.Sequential(
                 [
                     split_repacking(),
@@ -460,7 +466,11 @@ def apply_schedules(
 
 
 def schedule_and_compile(
-    mod: Any, target: Any, schedule: str, database: Any = None
+    mod: Any,
+    target: Any,
+    schedule: str,
+    database: Any = None,
+    knobs: Mapping[str, Any] | None = None,
 ) -> tuple[Any, Any, list[str]]:
     """Steps 4-5: (the executable, the scheduled module, the kernels the database supplied).
 
@@ -473,14 +483,14 @@ def schedule_and_compile(
     # first (the first attempt compiles ``mod`` itself: a build from a clone is not
     # byte-identical from one build to the next).
     backup = mod.clone()
-    scheduled, tuned = apply_schedules(mod, target, schedule, database)
+    scheduled, tuned = apply_schedules(mod, target, schedule, database, knobs=knobs)
     try:
         return compile_module(scheduled, target), scheduled, tuned
     except BuildError as exc:
         if schedule != "enginekit" or target.kind.name == "cuda":
             raise
         log.info("tvm: %s; compiling again without run-time schedule choices", exc)
-    scheduled, tuned = apply_schedules(backup, target, schedule, database, choices=False)
+    scheduled, tuned = apply_schedules(backup, target, schedule, database, False, knobs)
     return compile_module(scheduled, target), scheduled, tuned
 
 

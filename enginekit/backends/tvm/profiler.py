@@ -61,11 +61,18 @@ def profile(
     """Per-kernel times of ``engine`` on ``feeds``: ``warmup`` unrecorded runs, then ``runs``
     recorded ones, each kernel call timed by the VM's call instrument (on a VM of its own)."""
     from tvm import relax
-    from tvm.runtime.vm import VMInstrumentReturnKind
 
     lib = engine.library(feeds)  # the module infer would use
     vm = relax.VirtualMachine(lib, engine._dev)
     args = [engine._to_tvm(np.asarray(feeds[n])) for n in engine.program_inputs]
+    return profile_vm(vm, args, runs, warmup)
+
+
+def profile_vm(vm: Any, args: Sequence[Any], runs: int, warmup: int) -> list[OpEvent]:
+    """Per-kernel times of a Relax VM's ``main`` on ``args`` (TVM tensors), as :func:`profile`
+    (the VM's call instrument is set to this function's timer and left there)."""
+    from tvm.runtime.vm import VMInstrumentReturnKind
+
     events: list[OpEvent] = []
     state: dict[str, Any] = {"run": -1, "origin": 0.0, "open": {}}
     no_op = int(VMInstrumentReturnKind.NO_OP)

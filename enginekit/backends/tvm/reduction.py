@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from enginekit.backends.tvm.injective import _schedule_injective
+from enginekit.backends.tvm.knobs import Knobs
 from enginekit.backends.tvm.packing import _pack_weights
 from enginekit.backends.tvm.placement import (
     _channel_tiles_at,
@@ -76,12 +77,14 @@ def _schedule_reduction(
     pack: bool = True,
     padded: bool = False,
     pack_width: int | None = None,
+    knobs: Knobs | None = None,
 ) -> int | None:
     """Schedule the reduction ``infos[index]`` (see the module docstring); returns the width
     of the tiles its constant weights were repacked into, None where none was. With
     ``pack_width`` the weights are packed in tiles of that width where it divides the
     register tile's (another schedule of the kernel, chosen at run time, reads the same
-    packed weight: one constant instead of one per schedule)."""
+    packed weight: one constant instead of one per schedule). ``knobs`` override the row
+    block, the tile width and the channel tiles' place where they fit (:mod:`.knobs`)."""
     main = infos[index]
     separate = []
     narrow = _narrow_window(sch, main, lanes)
@@ -137,7 +140,10 @@ def _schedule_reduction(
         # thread; 8 accumulators still fit AVX2's 16 registers).
         fv *= 2
     fu_override = None
-    if reduce and outer and fv is not None:
+    width = knobs.vectors * lanes if knobs is not None and knobs.vectors else None
+    if reduce and width and v_extent is not None and v_extent % width == 0:
+        fv = width
+    elif reduce and outer and fv is not None:
         fu_override, fv = _half_vector_rows(sch, outer[-1], v_extent, fv, lanes)
     if fv is None:
         v_outer, v_inner = v, None
@@ -152,6 +158,8 @@ def _schedule_reduction(
         fu = fu_override or _row_factor(sch, u, lanes)
         if fu_override is None and len(reduce) > 1 and fv is not None and _static(sch, block):
             fu = _stack_block(u_extent, fu, fv, lanes)
+        if knobs is not None and knobs.rows and u_extent and u_extent % knobs.rows == 0:
+            fu = knobs.rows
         if fu > 1:
             outer.pop()
             if fu == u_extent:
@@ -175,7 +183,10 @@ def _schedule_reduction(
     else:
         pads = []
         if v_outer is not None:
-            outer.insert(_channel_tiles_at(sch, block, outer, len(spatial)), v_outer)
+            place = _channel_tiles_at(sch, block, outer, len(spatial))
+            if knobs is not None and knobs.tiles_outer is not None:
+                place = 0 if knobs.tiles_outer else len(outer)
+            outer.insert(place, v_outer)
         sch.reorder(*outer, *reduce, *inner)
         if outer:
             tile = at = sch.fuse(*outer) if len(outer) > 1 else outer[0]

@@ -26,9 +26,11 @@ inlining, window convs, channel-tile placement), :mod:`.rows` (a matmul's padded
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from enginekit.backends.tvm.injective import _schedule_injective
+from enginekit.backends.tvm.knobs import Knobs, kernel_key
 from enginekit.backends.tvm.packing import _Chosen, _PackConflict
 from enginekit.backends.tvm.reduction import _schedule_reduction
 from enginekit.backends.tvm.rows import _sequence_rows
@@ -71,19 +73,22 @@ def _weights_over_a_sequence(func: Any, symbolic: Any) -> bool:
     return bool(free) and len(tirx.analysis.undefined_vars(symbolic)) >= 2
 
 
-def schedule_cpu(func: Any, lanes: int, choices: bool = True) -> Any:
+def schedule_cpu(func: Any, lanes: int, choices: bool = True, knobs: Knobs | None = None) -> Any:
     """A schedule for ``func`` (a TIR PrimFunc), or None where the rule does not apply.
 
     Small kernels (below :data:`PARALLEL_WORK`) get serial loops; one whose size depends on a
     symbolic dim (the batch) and may fall either side gets both schedules, chosen at run time.
+    ``knobs`` (a tuner's choices, :mod:`.knobs`) override the default's where they fit.
     """
     try:
-        return _schedule_cpu(func, lanes, choices, pack=True)
+        return _schedule_cpu(func, lanes, choices, pack=True, knobs=knobs)
     except _PackConflict:  # schedules chosen at run time that want two layouts of a weight
-        return _schedule_cpu(func, lanes, choices, pack=False)
+        return _schedule_cpu(func, lanes, choices, pack=False, knobs=knobs)
 
 
-def _schedule_cpu(func: Any, lanes: int, choices: bool, pack: bool) -> Any:
+def _schedule_cpu(
+    func: Any, lanes: int, choices: bool, pack: bool, knobs: Knobs | None = None
+) -> Any:
     work = _work(func)
     if work is None:
         return None
@@ -96,7 +101,9 @@ def _schedule_cpu(func: Any, lanes: int, choices: bool, pack: bool) -> Any:
         return _schedule(func, lanes, True, choices, pack)
     if not choices or symbolic is None or static >= PARALLEL_WORK:
         parallel = static >= PARALLEL_WORK or symbolic is not None
-        return _schedule(func, lanes, parallel, choices, pack)
+        if knobs is not None and knobs.parallel is not None:
+            parallel = knobs.parallel
+        return _schedule(func, lanes, parallel, choices, pack, knobs)
     # Both schedules repack the weights alike; _Chosen hoists the repackings out of the
     # branches (TVM splits out only a repacking block at the function's top level).
     parallel = _schedule(func, lanes, True, pack=pack)
@@ -116,7 +123,12 @@ def _reduces(sch: Any, info: Any) -> bool:
 
 
 def _schedule(
-    func: Any, lanes: int, parallel: bool, choices: bool = True, pack: bool = True
+    func: Any,
+    lanes: int,
+    parallel: bool,
+    choices: bool = True,
+    pack: bool = True,
+    knobs: Knobs | None = None,
 ) -> Any:
     """:func:`schedule_cpu` with or without parallel loops."""
     from tvm import s_tir
@@ -164,7 +176,7 @@ def _schedule(
             width = _schedule_reduction(padded, infos_p, index, lanes, parallel, pack, padded=True)
             _schedule_reduction(sch, infos, reductions[0], lanes, parallel, pack, pack_width=width)
             return _Chosen(padded, sch, rows >= _rows_block(lanes))
-        _schedule_reduction(sch, infos, reductions[0], lanes, parallel, pack)
+        _schedule_reduction(sch, infos, reductions[0], lanes, parallel, pack, knobs=knobs)
         return sch
     if _extent(sch, sch.get_loops(infos[-1].block_rv)[-1]) is None:
         return _schedule_rows(sch, lanes, parallel)
@@ -298,9 +310,12 @@ def _shared_with_a_reduction(sch: Any, block: Any) -> bool:
     return any(any(it.iter_type == reduce for it in sch.get(c).iter_vars) for c in consumers)
 
 
-def cpu_rules(target: Any, choices: bool = True) -> list[Any]:
+def cpu_rules(
+    target: Any, choices: bool = True, knobs: Mapping[str, Knobs] | None = None
+) -> list[Any]:
     """Schedule rules for ``dlight.ApplyDefaultSchedule`` on an LLVM target, best first
-    (``choices=False``: one schedule per kernel, none chosen at run time)."""
+    (``choices=False``: one schedule per kernel, none chosen at run time; ``knobs``: a
+    tuner's choices by :func:`.knobs.kernel_key`)."""
     from tvm import tirx
     from tvm.s_tir import dlight
 
@@ -313,7 +328,8 @@ def cpu_rules(target: Any, choices: bool = True) -> list[Any]:
             if not isinstance(func, tirx.PrimFunc):
                 return None
             try:
-                sch = schedule_cpu(func, lanes, choices)
+                chosen = knobs.get(kernel_key(func)) if knobs else None
+                sch = schedule_cpu(func, lanes, choices, chosen)
                 # A list is what ApplyDefaultSchedule accepts besides a Schedule.
                 return [sch] if isinstance(sch, _Chosen) else sch
             except Exception as exc:  # a pattern the rule misjudged: leave it to the next rule

@@ -125,13 +125,19 @@ def static_shapes(model: Model, config: BuildConfig, batch: int) -> dict[str, tu
 
 
 def compile_library(
-    mod: Any, target: Any, opts: dict[str, Any], database: Any, path: Path
+    mod: Any,
+    target: Any,
+    opts: dict[str, Any],
+    database: Any,
+    path: Path,
+    knobs: Mapping[str, Any] | None = None,
 ) -> tuple[list[str], set[str]]:
-    """Schedule, compile and export ``mod``; returns (tuned kernels, scheduled kernels)."""
+    """Schedule, compile and export ``mod`` (``knobs``: enginekit's tuner's choices by
+    kernel key); returns (tuned kernels, scheduled kernels)."""
     from enginekit.backends.tvm import lower
 
     executable, scheduled, tuned = lower.schedule_and_compile(
-        mod, target, opts["schedule"], database
+        mod, target, opts["schedule"], database, knobs
     )
     done = {k["name"] for k in lower.kernel_summary(scheduled, blocks=False) if k["scheduled"]}
     try:

@@ -36,25 +36,32 @@ log = logging.getLogger(__name__)
 LEDGER = "enginekit-ledger.json"
 #: Per-kernel trials from which the evolutionary search (cost model) replaces random sampling.
 _EVOLVE_FROM = 16
-_KEYS = {"trials", "batch_sizes"}
+_KEYS = {"trials", "batch_sizes", "method", "seconds"}
+#: Tuners: enginekit's own (its schedule's alternatives timed in the model, :mod:`.inmodel`)
+#: and MetaSchedule's search; the first is the default.
+METHODS = ("enginekit", "metaschedule")
 
 
 @dataclasses.dataclass(frozen=True)
 class TuneSpec:
-    """What to tune: ``trials`` per static batch size, for each of ``batch_sizes``."""
+    """What to tune: ``trials`` per static batch size, for each of ``batch_sizes``, by
+    ``method`` (one of :data:`METHODS`), within ``seconds`` per batch size (enginekit's tuner
+    only; None: no limit)."""
 
     trials: int
     batch_sizes: tuple[int, ...]
+    method: str = METHODS[0]
+    seconds: float | None = None
 
 
 def parse_tune(value: Any, default_batch: int) -> TuneSpec | None:
     """The ``tune`` option as a TuneSpec (None or trials 0: no tuning).
 
-    Accepted: ``{"trials": 256, "batch_sizes": [1, 8]}``, or a bare int of trials at
-    ``default_batch``.
+    Accepted: ``{"trials": 256, "batch_sizes": [1, 8], "method": "enginekit", "seconds":
+    1200}``, or a bare int of trials at ``default_batch``.
 
     Raises:
-        BuildError: unknown keys, a non-positive budget or batch size.
+        BuildError: unknown keys or method, a non-positive budget or batch size.
     """
     if value is None or value is False:
         return None
@@ -80,9 +87,19 @@ def parse_tune(value: Any, default_batch: int) -> TuneSpec | None:
         isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes
     ):
         raise BuildError(f"tune batch_sizes={sizes!r}: expected positive whole numbers")
+    method = spec.get("method", METHODS[0])
+    if method not in METHODS:
+        raise BuildError(f"tune method={method!r}: expected one of {', '.join(METHODS)}")
+    seconds = spec.get("seconds")
+    if seconds is not None and (
+        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0
+    ):
+        raise BuildError(f"tune seconds={seconds!r}: expected a positive number of seconds")
     return TuneSpec(
         trials=trials,
         batch_sizes=tuple(sorted(set(sizes))),
+        method=method,
+        seconds=None if seconds is None else float(seconds),
     )
 
 
