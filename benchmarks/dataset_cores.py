@@ -122,17 +122,15 @@ def account(wall: float, cpu: float, cores: int, stat: dict[str, float], **parts
 
 def rounds(
     artifact: Path, src: Path, x: np.ndarray, work: Path, batch: int, streams: int, n: int,
-    rows: int, readers: tuple[str, ...] = ("thread",),
+    rows: int,
 ) -> dict[str, list[dict]]:  # fmt: skip
-    """(c) then (b), ``n`` rounds; each run's accounting. With two ``readers``, (b) runs once
-    with each in every round (``"b"``: the first, ``"p"``: the second), alternating which
-    goes first."""
+    """(c) then (b), ``n`` rounds; each run's accounting."""
     from enginekit.dataset.streams import cores
 
     k = cores()
     engine = ek.load(artifact, threads=1) if streams > 1 else ek.load(artifact)
     calls = Calls(engine)
-    out: dict[str, list[dict]] = {"b": [], "c": [], "p": []}
+    out: dict[str, list[dict]] = {"b": [], "c": []}
     try:
         for rep in range(n):
             calls.reset()
@@ -144,48 +142,34 @@ def rounds(
             out["c"].append(
                 {**account(t1 - t0, c1 - c0, k, stat, engine=c["engine"]), **c, "rows_s": rate}
             )
-            order = list(enumerate(readers))
-            for key, reader in order if rep % 2 == 0 else order[::-1]:
-                b_run = _job(engine, calls, src, work / f"b-{rep}", batch, streams, rows, k, reader)
-                out["bp"[key]].append(b_run)
-                print(
-                    f"round {rep}: (b)/(c) {b_run['rows_s'] / rate:.2f} (reader {reader}), "
-                    f"(b) {b_run['rows_s']:,.0f} rows/s, (c) {rate:,.0f}; "
-                    f"load {os.getloadavg()[0]:.1f}",
-                    flush=True,
-                )
+            calls.reset()
+            dst = work / f"b-{rep}"
+            s0, c0, t0 = _stat(), _cpu(), time.perf_counter()
+            s = ek.infer_dataset(engine, src, dst, batch, progress=False, streams=streams)
+            t1, c1, s1 = time.perf_counter(), _cpu(), _stat()
+            shutil.rmtree(dst, ignore_errors=True)
+            st = s.stages
+            b = calls.summary(t1 - s.seconds, t1)
+            stat = {key: s1[key] - s0[key] for key in s0}
+            parts = {
+                "engine": b["engine"],
+                "streams": max(st.infer_cpu - b["engine"], 0.0),
+                "reader": st.read_cpu,
+                "writer": st.write_cpu,
+            }
+            # The job's own seconds (s.seconds: from preparing its output to its summary), and
+            # the CPU of the whole call (opening the source too: a few ms).
+            row = account(s.seconds, c1 - c0, k, stat, **parts)
+            out["b"].append({**row, **b, "rows_s": rows / s.seconds, "load": os.getloadavg()[0]})
+            print(
+                f"round {rep}: (b)/(c) {rows / s.seconds / rate:.2f}, (b) {rows / s.seconds:,.0f} "
+                f"rows/s, (c) {rate:,.0f}; load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
     finally:
         calls.close()
         engine.close()
     return out
-
-
-def _job(
-    engine: ek.Engine, calls: Calls, src: Path, dst: Path, batch: int, streams: int, rows: int,
-    k: int, reader: str,
-) -> dict[str, Any]:  # fmt: skip
-    """One (b) run, accounted."""
-    calls.reset()
-    s0, c0, t0 = _stat(), _cpu(), time.perf_counter()
-    s = ek.infer_dataset(engine, src, dst, batch, progress=False, streams=streams, reader=reader)
-    t1, c1, s1 = time.perf_counter(), _cpu(), _stat()
-    shutil.rmtree(dst, ignore_errors=True)
-    st = s.stages
-    b = calls.summary(t1 - s.seconds, t1)
-    stat = {key: s1[key] - s0[key] for key in s0}
-    parts = {
-        "engine": b["engine"],
-        "streams": max(st.infer_cpu - b["engine"], 0.0),
-        "reader": st.read_cpu,
-        "writer": st.write_cpu,
-    }
-    # The job's own seconds (s.seconds: from preparing its output to its summary), and
-    # the CPU of the whole call (opening the source too: a few ms). A reader process's
-    # CPU is not this process's: its read_cpu (the child's and the thread that takes
-    # its batches) is added.
-    cpu = c1 - c0 + (st.read_cpu if reader == "process" else 0.0)
-    row = account(s.seconds, cpu, k, stat, **parts)
-    return {**row, **b, "rows_s": rows / s.seconds, "load": os.getloadavg()[0]}
 
 
 KEYS = (
@@ -202,9 +186,8 @@ def table(result: dict[str, list[dict]], skip_first: bool = True) -> str:
     """Medians of each run's parts (the first round, warming up, left out when there are more)."""
     lines = ["part                 (b)        (c)   (core-seconds per job, medians; (b) - (c))"]
     b_runs, c_runs = result["b"], result["c"]
-    p_runs = result.get("p", [])
     if skip_first and len(b_runs) > 1:
-        b_runs, c_runs, p_runs = b_runs[1:], c_runs[1:], p_runs[1:]
+        b_runs, c_runs = b_runs[1:], c_runs[1:]
     b, c = medians(b_runs), medians(c_runs)
     for k in KEYS:
         unit = "" if k in ("voluntary", "involuntary", "calls") else " s"
@@ -214,16 +197,6 @@ def table(result: dict[str, list[dict]], skip_first: bool = True) -> str:
         f"(b)/(c) per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
         f"median {statistics.median(ratios):.2f}"
     )
-    if p_runs:
-        p = medians(p_runs)
-        lines.append("second reader  (b2)       (b)    (b2) - (b)")
-        for k in KEYS:
-            lines.append(f"{k:14s} {p[k]:10.3f} {b[k]:10.3f}   {p[k] - b[k]:+.3f}")
-        ratios = [rp["rows_s"] / rc["rows_s"] for rp, rc in zip(p_runs, c_runs)]
-        lines.append(
-            f"(b2)/(c) per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
-            f"median {statistics.median(ratios):.2f}"
-        )
     return "\n".join(lines)
 
 
@@ -234,11 +207,6 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--streams", type=int, default=2)
     p.add_argument("--autogroup-nice", type=int, help="set this process's autogroup niceness")
-    p.add_argument(
-        "--reader", default="thread", choices=["thread", "process", "both"],
-        help="the job's reader (infer_dataset(reader=...)); both: each round runs (b) with "
-        "the thread reader and (b2) with the process reader, alternating which goes first",
-    )  # fmt: skip
     p.add_argument("--json")
     args = p.parse_args()
     if args.autogroup_nice is not None:
@@ -255,15 +223,7 @@ def main() -> None:
         bench.make_parquet(work / "src", args.rows, files=max(1, min(4, args.rows // 10_000)))
         print(f"load {os.getloadavg()[0]:.1f}; batch {args.batch}, {args.streams} stream(s)")
         result = rounds(
-            artifact,
-            work / "src",
-            x,
-            work,
-            args.batch,
-            args.streams,
-            args.rounds,
-            args.rows,
-            ("thread", "process") if args.reader == "both" else (args.reader,),
+            artifact, work / "src", x, work, args.batch, args.streams, args.rounds, args.rows
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

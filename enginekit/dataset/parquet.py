@@ -150,12 +150,6 @@ class ParquetSource(Source):
                     f"Parquet file {f}: cannot read it ({exc}); replace it or remove it"
                 ) from None
 
-    def __getstate__(self) -> dict[str, Any]:
-        # To a reader process (enginekit.dataset.readproc), which brings its own buffers.
-        state = dict(self.__dict__)
-        state["_buffers"] = None
-        return state
-
     def close(self) -> None:
         """Drop the kept read buffers (a held source object keeps no memory of its job)."""
         self._buffers = BufferPool(READ_SLOTS)

@@ -188,12 +188,9 @@ def _infer(engine: Engine, inputs: dict[str, np.ndarray], state: State) -> dict[
 def run_local(
     engine: Engine, src: Source, led: ledger_mod.Ledger, out: Path, fmt: str, tensor_format: str,
     size: int, shard_rows: int, start: int, prefetch: int, bar: Progress, state: State,
-    streams: int = 1, total: int | None = None, save_first: bool = False, reader: str = "thread",
+    streams: int = 1, total: int | None = None, save_first: bool = False,
 ) -> int:  # fmt: skip
     """Rows from ``start`` through the engine into committed shards; returns the rows inferred.
-
-    ``reader``: ``"thread"`` reads in a thread of this process; ``"process"`` in a process of
-    its own (:mod:`enginekit.dataset.readproc`; Parquet sources with the page reader only).
 
     ``total``: the source's rows, when known: the commit that reaches it also marks the ledger
     complete (one save, not two, after the last batch). ``save_first``: the writer saves the
@@ -252,44 +249,7 @@ def run_local(
         state.times.append(StageTimes(read=busy, read_cpu=time.thread_time() - cpu))
         inbox.close()
 
-    proc: Any = None
-
-    def read_process() -> None:
-        # The reader process's batches, a read at a time, into the inbox.
-        cpu = time.thread_time()
-        try:
-            for chunk in proc.chunks():
-                if not inbox.put(chunk, state.stop):
-                    break
-                del chunk
-        except BaseException as exc:
-            state.error = state.error or exc
-            state.stop.set()
-        state.times.append(
-            StageTimes(read=proc.read, read_cpu=proc.read_cpu + time.thread_time() - cpu)
-        )
-        inbox.close()
-
     began = time.perf_counter()
-    if reader == "process":
-        from enginekit.dataset.readproc import ProcessReader
-
-        proc = ProcessReader(src, start, size, shard_rows)
-    try:
-        return _run_stages(
-            engine, read_process if proc is not None else read, inbox, outbox, led, out, fmt,
-            tensor_format, bar, state, streams, total, save_first, began,
-        )  # fmt: skip
-    finally:
-        if proc is not None:
-            proc.close()
-
-
-def _run_stages(
-    engine: Engine, read: Any, inbox: BatchQueue, outbox: queue.Queue, led: ledger_mod.Ledger,
-    out: Path, fmt: str, tensor_format: str, bar: Progress, state: State, streams: int,
-    total: int | None, save_first: bool, began: float,
-) -> int:  # fmt: skip
     reader = threading.Thread(target=read, name="enginekit-read", daemon=True)
     reader.start()
     writer = start_writer(outbox, led, out, fmt, tensor_format, bar, state, total, save_first)

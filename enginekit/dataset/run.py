@@ -22,7 +22,6 @@ from enginekit.dataset.autobatch import BatchChoice, choose_batch_size, parse_me
 from enginekit.dataset.batches import concat
 from enginekit.dataset.images import ImagePreprocess
 from enginekit.dataset.pipeline import StageTimes, State, run_local, write_all
-from enginekit.dataset.readproc import usable
 from enginekit.dataset.progress import Progress
 from enginekit.dataset.resolve import open_source
 from enginekit.dataset.sinks import check_format, remove_outputs
@@ -126,10 +125,6 @@ def _prepare_output(output: Path, resume: bool, overwrite: bool) -> ledger_mod.L
     return found
 
 
-#: Where a local job can read (``infer_dataset(reader=...)``).
-READERS = ("thread", "process")
-
-
 def infer_dataset(
     engine_or_artifact: Engine | str | os.PathLike,
     source: Any,
@@ -154,7 +149,6 @@ def infer_dataset(
     device: str | None = None,
     streams: int | str = "auto",
     threads: int | None = None,
-    reader: str = "thread",
 ) -> InferSummary:
     """Run every row of ``source`` through an engine and write the outputs as shards to ``output``.
 
@@ -195,10 +189,6 @@ def infer_dataset(
         threads: threads per engine call, set when the artifact is loaded (``ek.load(path,
             threads=...)``); default: the artifact's own with one stream, the cores split
             evenly between streams otherwise. Needs an artifact path, not an Engine.
-        reader: where a local job reads: ``"thread"`` (a thread beside the engine's) or
-            ``"process"`` (a process of its own, batches handed over in shared memory, so
-            that the reader never holds the engine process's GIL; Parquet sources read by
-            the page reader, on Linux; other sources read in a thread).
 
     Returns:
         an :class:`InferSummary`.
@@ -217,8 +207,6 @@ def infer_dataset(
     if shard_rows is not None and not (isinstance(shard_rows, int) and shard_rows >= 1):
         raise UsageError(f"shard_rows must be an integer >= 1, got {shard_rows!r}")
     check_streams(streams)
-    if reader not in READERS:
-        raise UsageError(f"reader must be one of {', '.join(READERS)}, got {reader!r}")
     if threads is not None and isinstance(engine_or_artifact, Engine):
         raise UsageError(
             "threads is set when infer_dataset loads the artifact: pass the artifact's path, "
@@ -256,7 +244,6 @@ def infer_dataset(
             return _run(
                 engine, engine_or_artifact, src, out, previous, batch_size, format, tensor_format,
                 shard_rows, budget, prefetch, progress, ray, keep, streams, threads, reload,
-                reader,
             )  # fmt: skip
         finally:
             src.close()
@@ -305,7 +292,6 @@ def _run(
     streams: int | str = 1,
     threads: int | None = None,
     reload: Any = None,
-    reader: str = "thread",
 ) -> InferSummary:
     start_time = time.perf_counter()
     model = ledger_mod.model_checksum(engine.manifest)
@@ -381,7 +367,6 @@ def _run(
             inferred = run_local(
                 alternate or engine, src, led, out, fmt, tensor_format, size, rows_per_shard,
                 start, prefetch, bar, state, n_streams, src.rows, unsaved,
-                "process" if reader == "process" and usable(src) else "thread",
             )  # fmt: skip
     finally:
         bar.close()
