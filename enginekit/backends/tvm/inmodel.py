@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from enginekit.backends.tvm.knobs import Knobs, kernel_key, space
+from enginekit.backends.tvm.tune import read_db_file, write_db_file
 from enginekit.errors import BuildError
 
 log = logging.getLogger(__name__)
@@ -50,25 +50,12 @@ CONFIRM_MARGIN = 0.02
 
 
 def _load(db_dir: Path) -> dict[str, Any]:
-    path = db_dir / CHOICES
-    if not path.is_file():
-        return {"version": 1, "targets": {}}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise BuildError(
-            f"{path}: unreadable schedule choices ({exc}); delete it to tune again"
-        ) from None
-    if not isinstance(data, dict) or not isinstance(data.get("targets"), dict):
-        raise BuildError(f"{path}: not enginekit's schedule choices; delete it to tune again")
-    return data
+    data = read_db_file(db_dir / CHOICES, "targets", "schedule choices", "tune again")
+    return data if data is not None else {"version": 1, "targets": {}}
 
 
 def _save(db_dir: Path, data: Mapping[str, Any]) -> None:
-    db_dir.mkdir(parents=True, exist_ok=True)
-    tmp = db_dir / f".{CHOICES}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, db_dir / CHOICES)
+    write_db_file(db_dir / CHOICES, data)
 
 
 def _target_id(target: Any) -> str:

@@ -86,11 +86,9 @@ def unroll_loops(proto: Any) -> tuple[Any, int]:
 def _unrolled(node: Any, index: int, count: int, opset: int, inits: list[Any]) -> list[Any] | None:
     """The nodes replacing one Loop run ``count`` times, or None when it stays."""
     import numpy as np
-    import onnx
     from onnx import helper, numpy_helper
 
-    from enginekit.backends.tvm.expand import _renamed
-    from enginekit.backends.tvm.scan import _attr, _produced, _renamer
+    from enginekit.backends.tvm.scan import _attr, _produced, hoist_initializers, unroll_step
 
     body = _attr(node, "body", None)
     n = len(node.input) - 2  # loop-carried values
@@ -100,12 +98,7 @@ def _unrolled(node: Any, index: int, count: int, opset: int, inits: list[Any]) -
         return None
     tag = f"enginekit_loop{index}_"
     local = _produced(body)
-    shared = {t.name: tag + "init_" + t.name for t in body.initializer}
-    for t in body.initializer:
-        copy = onnx.TensorProto()
-        copy.CopyFrom(t)
-        copy.name = shared[t.name]
-        inits.append(copy)
+    shared = hoist_initializers(body, tag, inits)
     nodes: list[Any] = []
     cond = node.input[1] if len(node.input) > 1 else ""
     if not cond:  # no condition given: true
@@ -117,12 +110,7 @@ def _unrolled(node: Any, index: int, count: int, opset: int, inits: list[Any]) -
         inits.append(numpy_helper.from_array(np.array(t, np.int64), f"{tag}i{t}"))
         names = {body.input[0].name: f"{tag}i{t}", body.input[1].name: cond}
         names.update({body.input[2 + i].name: states[i] for i in range(n)})
-        rename = _renamer(names, shared, local, f"{tag}t{t}_")
-        for b in body.node:
-            copy = _renamed(b, rename, {})
-            copy.name = f"{tag}t{t}_{b.name or b.output[0]}"
-            nodes.append(copy)
-        resolved = [rename(o.name) for o in body.output]
+        resolved = unroll_step(body, names, shared, local, f"{tag}t{t}_", nodes)
         states = resolved[1 : 1 + n]
         for j in range(k):
             slices[j].append(resolved[1 + n + j])

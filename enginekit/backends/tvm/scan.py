@@ -92,10 +92,7 @@ def _unrolled(
 ) -> list[Any] | None:
     """The nodes replacing one Scan node, or None when it stays (length unknown or too long)."""
     import numpy as np
-    import onnx
     from onnx import helper, numpy_helper
-
-    from enginekit.backends.tvm.expand import _renamed
 
     body = _attr(node, "body", None)
     m = int(_attr(node, "num_scan_inputs", 0))
@@ -111,12 +108,7 @@ def _unrolled(
         return None
     tag = f"enginekit_scan{index}_"
     local = _produced(body)
-    shared = {t.name: tag + "init_" + t.name for t in body.initializer}
-    for t in body.initializer:
-        copy = onnx.TensorProto()
-        copy.CopyFrom(t)
-        copy.name = shared[t.name]
-        inits.append(copy)
+    shared = hoist_initializers(body, tag, inits)
     nodes: list[Any] = []
     for t in range(seq):
         inits.append(numpy_helper.from_array(np.array(t, np.int64), f"{tag}i{t}"))
@@ -133,12 +125,7 @@ def _unrolled(
                 )
             )
             names[body.input[n + j].name] = sliced
-        rename = _renamer(names, shared, local, f"{tag}t{t}_")
-        for b in body.node:
-            copy = _renamed(b, rename, {})
-            copy.name = f"{tag}t{t}_{b.name or b.output[0]}"
-            nodes.append(copy)
-        resolved = [rename(o.name) for o in body.output]
+        resolved = unroll_step(body, names, shared, local, f"{tag}t{t}_", nodes)
         states = resolved[:n]
         for j in range(k):
             slices[j].append(resolved[n + j])
@@ -182,3 +169,33 @@ def _renamer(
         return prefix + name if name in local else name
 
     return rename
+
+
+def hoist_initializers(body: Any, tag: str, inits: list[Any]) -> dict[str, str]:
+    """Copy a loop body's initializers into the outer graph once, under ``tag``-prefixed names
+    (appended to ``inits``); returns body name -> shared name for :func:`_renamer`."""
+    import onnx
+
+    shared = {t.name: tag + "init_" + t.name for t in body.initializer}
+    for t in body.initializer:
+        copy = onnx.TensorProto()
+        copy.CopyFrom(t)
+        copy.name = shared[t.name]
+        inits.append(copy)
+    return shared
+
+
+def unroll_step(
+    body: Any, names: dict[str, str], shared: dict[str, str], local: set[str], prefix: str,
+    nodes: list[Any],
+) -> list[str]:  # fmt: skip
+    """One step of an unrolled loop: the body's nodes renamed for it (``names``: its inputs'
+    values this step) appended to ``nodes``; returns the names of the body's outputs."""
+    from enginekit.backends.tvm.expand import _renamed
+
+    rename = _renamer(names, shared, local, prefix)
+    for b in body.node:
+        copy = _renamed(b, rename, {})
+        copy.name = f"{prefix}{b.name or b.output[0]}"
+        nodes.append(copy)
+    return [rename(o.name) for o in body.output]

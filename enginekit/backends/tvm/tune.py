@@ -122,25 +122,35 @@ def require_tuning_deps() -> None:
         )
 
 
-def _ledger(db_dir: Path) -> dict[str, Any]:
-    path = db_dir / LEDGER
+def read_db_file(path: Path, key: str, what: str, again: str) -> dict[str, Any] | None:
+    """A JSON file of a tuning database (a dict with a dict under ``key``), or None when it
+    does not exist; a BuildError naming ``what`` it should be and how to start ``again``."""
     if not path.is_file():
-        return {"version": 1, "tasks": {}}
+        return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise BuildError(
-            f"{path}: unreadable tuning ledger ({exc}); delete it to re-tune with this database"
-        ) from None
-    if not isinstance(data, dict) or not isinstance(data.get("tasks"), dict):
-        raise BuildError(f"{path}: not an enginekit tuning ledger; delete it to re-tune")
+        raise BuildError(f"{path}: unreadable {what} ({exc}); delete it to {again}") from None
+    if not isinstance(data, dict) or not isinstance(data.get(key), dict):
+        raise BuildError(f"{path}: not enginekit's {what}; delete it to {again}")
     return data
 
 
+def write_db_file(path: Path, data: Mapping[str, Any]) -> None:
+    """Replace a tuning database's JSON file at once (a temporary file, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _ledger(db_dir: Path) -> dict[str, Any]:
+    data = read_db_file(db_dir / LEDGER, "tasks", "tuning ledger", "re-tune with this database")
+    return data if data is not None else {"version": 1, "tasks": {}}
+
+
 def _save_ledger(db_dir: Path, ledger: Mapping[str, Any]) -> None:
-    tmp = db_dir / f".{LEDGER}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(ledger, indent=1, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, db_dir / LEDGER)
+    write_db_file(db_dir / LEDGER, ledger)
 
 
 def _task_key(task: Any, target: Any) -> str:
