@@ -148,8 +148,15 @@ def cmd_build(args: argparse.Namespace) -> int:
             else "not verified (--no-verify)"
         )
     )
-    emit(args, m, text)
+    emit(args, m, text + _serving_text(m))
     return EXIT_OK
+
+
+def _serving_text(m: dict[str, Any]) -> str:
+    """One line per tuned batch size: whether its tuned module serves, and both times."""
+    tuning = (m.get("backend", {}).get("metadata") or {}).get("tuning") or {}
+    serving = tuning.get("serving") or {}
+    return "".join(f"\ntuned batch {b}: {d['decision']}" for b, d in serving.items())
 
 
 def _scaled_text(verify: dict[str, Any]) -> str:

@@ -55,7 +55,9 @@ OPTIONS = {
     "tune": "tuning: {'trials': N, 'batch_sizes': [1, 8], 'method': 'enginekit' or "
     "'metaschedule', 'seconds': S} gives each listed batch size a static module tuned with N "
     "trials (enginekit: candidates of its own schedule timed in the model, within S seconds; "
-    "metaschedule needs the tvm-tune extra); default: no tuning",
+    "metaschedule needs the tvm-tune extra); a tuned module serves its batch only when "
+    "timed faster than the dynamic module by 'margin' (default 0.02), 'serve': 'always' "
+    "serves it untimed; default: no tuning",
     "tuning_db": "directory of the tuning database to keep and reuse across builds (default: "
     "a temporary one, discarded)",
     "specialize": "static-shape modules compiled besides the dynamic one, run when a batch's "
@@ -340,7 +342,7 @@ def _tuned_modules(
     workdir: Path,
     example: Mapping[str, Any],
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from enginekit.backends.tvm import frontend, inmodel, lower, tune
+    from enginekit.backends.tvm import frontend, gate, inmodel, lower, tune
     from enginekit.backends.tvm.specialize import compile_library, static_shapes, verify_static
 
     if target.kind.name != "llvm":
@@ -376,9 +378,12 @@ def _tuned_modules(
                 "file": name,
                 "shapes": {k: list(v) for k, v in shapes.items()},
                 "tuned_kernels": tuned,
+                "batch": batch,
             }
         )
-    if config.verify and not _cross(lower.target_requirements(target), config.device):
+    here = not _cross(lower.target_requirements(target), config.device)
+    modules, serving = gate.serve(model, config, spec, modules, workdir, DYNAMIC, example, here)
+    if config.verify and here and modules:
         with step("verifying the tuned modules against ONNX Runtime CPU"):
             verify_static(model, config, modules, workdir, example)
     tuning = {
@@ -390,6 +395,7 @@ def _tuned_modules(
         "seconds": round(time.perf_counter() - start, 2),
         "trials_run": sum(r["trials_run"] for r in runs.values()),
         "runs": runs,
+        "serving": serving,
     }
     return modules, tuning
 
@@ -485,6 +491,11 @@ def inspect(artifact: Artifact, ir: bool = False) -> dict[str, Any]:
             for m in meta.get("modules", [])
         ],
         "tuning": meta.get("tuning"),
+        "serving": {
+            f"batch {b}": d["decision"]
+            for b, d in ((meta.get("tuning") or {}).get("serving") or {}).items()
+        }
+        or None,
         "specialized": meta.get("specialized"),
         "value_inputs": (meta.get("value_inputs") or {}).get("inputs"),
     }

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 LEDGER = "enginekit-ledger.json"
 #: Per-kernel trials from which the evolutionary search (cost model) replaces random sampling.
 _EVOLVE_FROM = 16
-_KEYS = {"trials", "batch_sizes", "method", "seconds"}
+_KEYS = {"trials", "batch_sizes", "method", "seconds", "serve", "margin"}
 #: Tuners: enginekit's own (its schedule's alternatives timed in the model, :mod:`.inmodel`)
 #: and MetaSchedule's search; the first is the default.
 METHODS = ("enginekit", "metaschedule")
@@ -52,16 +52,21 @@ class TuneSpec:
     batch_sizes: tuple[int, ...]
     method: str = METHODS[0]
     seconds: float | None = None
+    #: "auto": a tuned module serves its batch only when timed faster than the dynamic module
+    #: by ``margin`` (:mod:`.gate`); "always": served untimed.
+    serve: str = "auto"
+    margin: float = 0.02
 
 
 def parse_tune(value: Any, default_batch: int) -> TuneSpec | None:
     """The ``tune`` option as a TuneSpec (None or trials 0: no tuning).
 
     Accepted: ``{"trials": 256, "batch_sizes": [1, 8], "method": "enginekit", "seconds":
-    1200}``, or a bare int of trials at ``default_batch``.
+    1200, "serve": "auto", "margin": 0.02}``, or a bare int of trials at ``default_batch``.
 
     Raises:
-        BuildError: unknown keys or method, a non-positive budget or batch size.
+        BuildError: unknown keys, method or serve, a non-positive budget or batch size, a
+            margin outside [0, 1).
     """
     if value is None or value is False:
         return None
@@ -95,11 +100,23 @@ def parse_tune(value: Any, default_batch: int) -> TuneSpec | None:
         isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0
     ):
         raise BuildError(f"tune seconds={seconds!r}: expected a positive number of seconds")
+    from enginekit.backends.tvm.gate import MARGIN, SERVE
+
+    serve = spec.get("serve", SERVE[0])
+    if serve not in SERVE:
+        raise BuildError(f"tune serve={serve!r}: expected one of {', '.join(SERVE)}")
+    margin = spec.get("margin", MARGIN)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise BuildError(
+            f"tune margin={margin!r}: expected a fraction in [0, 1) such as 0.02 (2% faster)"
+        )
     return TuneSpec(
         trials=trials,
         batch_sizes=tuple(sorted(set(sizes))),
         method=method,
         seconds=None if seconds is None else float(seconds),
+        serve=serve,
+        margin=float(margin),
     )
 
 
