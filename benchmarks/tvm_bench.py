@@ -186,6 +186,8 @@ def _run(
         tuning = engines[name].manifest["backend"].get("metadata", {}).get("tuning")
         tune_s[name] = tuning["seconds"] if tuning else 0.0
         say(f"built {title} {name}: {build_s[name]:.1f} s", flush=True)
+        for b, d in ((tuning or {}).get("serving") or {}).items():
+            say(f"  tuned batch {b}: {d['decision']}", flush=True)
     results = {b: latency_ms(engines, feeds_of(b), rounds, pause) for b in batches}
     say(f"\n{title}; medians of interleaved rounds (lower is better); ratio = latency / ORT's")
     header = f"{'engine':34s} {'build s':>8s} {'tune s':>7s}" + "".join(
@@ -196,9 +198,11 @@ def _run(
     table: dict = {}
     for name in engines:
         row = f"{name:34s} {build_s[name] - tune_s[name]:8.1f} {tune_s[name]:7.1f}"
+        tuning = engines[name].manifest["backend"].get("metadata", {}).get("tuning") or {}
         table[name] = {
             "build_s": round(build_s[name] - tune_s[name], 2),
             "tune_s": round(tune_s[name], 2),
+            "serving": tuning.get("serving"),
             "ms": {},
             "ratio": {},
         }
