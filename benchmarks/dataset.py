@@ -25,6 +25,14 @@ compares (b) in the configuration ``streams="auto"`` chooses with the BEST (c) o
 configurations (the best median): the ceiling is the fastest the engine runs on this host, not
 the one (b) picked. (b) in the other configurations runs in the first round only, for
 comparison.
+Two lines say what bounds the goal on this host. The CPU budget: (c) keeps the cores busy
+(printed: how many), so (b) must run the same engine work plus the reading and writing in the
+same core-seconds; with those at their cost measured alone (reading: below; writing: (b)'s
+writer), (b)/(c) can be at most (c)'s core-seconds / (engine + reading + writing) — a bound
+from CPU alone, before the memory and caches the reader shares with the engine. And (b)
+against (c) with the engine on all cores but one (one stream of ``cores - 1`` threads,
+alternating, the same rows and rounds): whether the pipeline hides the reading and writing
+when the engine leaves them a core (not the goal's configuration: the engine is slower there).
 Each (b) row shows where its time went (the summary's stage timers) and the CPU seconds per
 1000 rows of (b) and (c), which load on the machine disturbs less than wall-clock rates.
 
@@ -424,6 +432,53 @@ def ray_rounds(
     return result
 
 
+def spare_core_rounds(
+    artifact: Path, src: Path, work: Path, x: np.ndarray, batch: int, rounds: int, rows: int
+) -> dict | None:
+    """(b) and (c) with the engine on all cores but one (one stream of ``cores - 1`` threads),
+    alternating, ``rounds`` rounds of ``rows`` rows: how much of the reading and writing (b)
+    hides when the engine leaves them a core. Not the goal's configuration (the engine is
+    slower on fewer cores); it separates "the pipeline does not overlap" from "the host has
+    no core to overlap on". None on a one-core host."""
+    from enginekit.dataset.streams import cores
+
+    n = cores()
+    if n < 2:
+        return None
+    engine = ek.load(artifact, threads=n - 1)
+    b_r, c_r = [], []
+    try:
+        for rep in range(rounds):
+            c_r.append(ceiling(engine, x, batch, 1, rows))
+            s = ek.infer_dataset(
+                engine, src, work / f"spare-{rep}", batch, progress=False, streams=1
+            )
+            b_r.append(rows / s.seconds)
+            shutil.rmtree(work / f"spare-{rep}", ignore_errors=True)
+    finally:
+        engine.close()
+    ratios = [b / c for b, c in zip(b_r, c_r)]
+    return {
+        "threads": n - 1, "b": b_r, "c": c_r, "ratios": ratios,
+        "ratio": float(np.median(ratios)),
+    }  # fmt: skip
+
+
+def cpu_budget(
+    c_rate: float, c_cpu_1k: float, read_cpu_1k: float, write_cpu_1k: float, cores: int
+) -> dict:
+    """The most (b) can reach against (c) from the CPU alone: (c) runs 1000 rows in
+    ``1000 / c_rate`` seconds, ``cores`` x that in core-seconds, of which its engine uses
+    ``c_cpu_1k`` (``busy``: the cores it keeps busy); (b) must fit the same engine work plus
+    the reading and writing (at their cost measured alone; beside the engine they cost more,
+    as the memory and caches are shared), so its time per 1000 rows is at least
+    ``(c_cpu_1k + read + write) / cores`` and (b)/(c) <= (engine + idle) / (engine + read +
+    write), at most 1. All arguments but ``c_rate`` and ``cores`` are CPU-s per 1000 rows."""
+    total = cores * 1000 / c_rate
+    bound = min(total / (c_cpu_1k + read_cpu_1k + write_cpu_1k), 1.0)
+    return {"busy": c_cpu_1k * c_rate / 1000, "bound": bound}
+
+
 def local_runs(
     artifact: Path, auto: ek.InferSummary, engines: dict[str, ek.Engine], work: Path,
     x: np.ndarray, batch: int, reps: int, rows: int, images: int, goal_src: Path,
@@ -438,6 +493,7 @@ def local_runs(
         a_r.append(n / t)
     reading = read_cost(work / "parquet", rows, reps)
     rounds = parquet_rounds(engines, goal_src, work, x, batch, goal_rounds, goal_rows, chosen)
+    spare = spare_core_rounds(artifact, goal_src, work, x, batch, goal_rounds, goal_rows)
     a = float(np.median(a_r))
     # Images: decoding dominates; (b) decodes in a thread pool ahead of the engine.
     ia_r, ib_r = [], []
@@ -460,7 +516,7 @@ def local_runs(
     )
     return {
         "rounds": rounds, "a": a, "reading": reading, "ia": ia, "ib": ib, "ic": ic,
-        "resume": resume,
+        "resume": resume, "spare": spare,
     }  # fmt: skip
 
 
@@ -636,8 +692,8 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2, default=str))
         return
-    parquet, a, reading, ia, ib, ic, resume = (
-        local[k] for k in ("rounds", "a", "reading", "ia", "ib", "ic", "resume")
+    parquet, a, reading, ia, ib, ic, resume, spare = (
+        local[k] for k in ("rounds", "a", "reading", "ia", "ib", "ic", "resume", "spare")
     )
     rounds, goal = parquet["configs"], parquet["goal"]
     best_name = goal["best_c"]
@@ -688,6 +744,28 @@ def main() -> None:
         f"reading the Parquet alone: {reading['pages']:.2f} CPU-s per 20k rows with the page "
         f"reader, {reading['pyarrow']:.2f} with pyarrow's reader"
     )
+    from enginekit.dataset.streams import cores
+
+    mine = sorted(rounds[chosen]["stages"], key=lambda s: s["infer"])[
+        len(rounds[chosen]["stages"]) // 2
+    ]
+    budget = cpu_budget(
+        best_c, rounds[best_name]["c_cpu_median"], reading["pages"] / 20,
+        mine["write_cpu"] / goal["rows"] * 1000, cores(),
+    )  # fmt: skip
+    print(
+        f"CPU budget: (c) {best_name} keeps {budget['busy']:.2f} of {cores()} cores busy; with "
+        f"the reading and writing at their cost alone (read {reading['pages'] / 20:.4f}, write "
+        f"{mine['write_cpu'] / goal['rows'] * 1000:.4f} CPU-s per 1k rows, (c)'s engine "
+        f"{rounds[best_name]['c_cpu_median']:.4f}) in the cores it leaves, (b)/(c) <= "
+        f"{budget['bound']:.2f}"
+    )
+    if spare:
+        print(
+            f"with a core left for I/O (the engine on {spare['threads']} thread(s), one stream; "
+            f"not the goal's configuration): (b) / (c) per round "
+            f"{', '.join(f'{v:.2f}' for v in spare['ratios'])}; median {spare['ratio']:.2f}"
+        )
     print(
         f"images, {images} files: (a) {f(ia)}  (b) {f(ib)}  (c) {f(ic)} rows/s; b/a {ib / ia:.2f}"
     )
@@ -716,7 +794,7 @@ def main() -> None:
     results.update(
         batch=batch, streams_choice=auto.stream_choice.to_json() if auto.stream_choice else None,
         chosen_config=chosen, best_c=best_c, naive=a, parquet=rounds, goal=goal, read_cpu_per_20k=reading, images={"a": ia, "b": ib, "c": ic}, ray=ray_result,
-        resume=resume, load_end=load_avg(),
+        resume=resume, spare_core=spare, cpu_budget=budget, load_end=load_avg(),
         goals=[{"goal": w, "measured": g, "met": ok} for w, g, ok in goals],
     )  # fmt: skip
     if args.json:
