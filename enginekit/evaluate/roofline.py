@@ -188,6 +188,12 @@ def costs(
             for dim, size in zip(dims, fixed[value.name], strict=True):
                 dim.Clear()
                 dim.dim_value = size
+    # Shapes recorded at export (for another input size) would clash with the new ones and
+    # stop inference at the first clash: infer every intermediate and output shape afresh.
+    del proto.graph.value_info[:]
+    for value in proto.graph.output:
+        if value.type.HasField("tensor_type"):
+            value.type.tensor_type.ClearField("shape")
     inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     return _count(inferred.graph, fixed)
 

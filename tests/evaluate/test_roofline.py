@@ -119,3 +119,13 @@ def test_read_bandwidth_is_a_positive_rate():
     assert read_bandwidth(threads=1, nbytes=1 << 20, repeats=1) > 0
     with pytest.raises(UsageError, match="threads=0"):
         read_bandwidth(threads=0)
+
+
+def test_shapes_recorded_for_another_input_size_are_inferred_afresh():
+    conv = helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])
+    model = _model([conv, helper.make_node("Relu", ["y"], ["z"])], [("x", ["n", 2, 8, 8])],
+                   ["z"], {"w": (4, 2, 3, 3)})  # fmt: skip
+    model = onnx.shape_inference.infer_shapes(model)  # records y and z at 8x8, as exports do
+    assert model.graph.value_info
+    conv_cost = costs(model, shapes={"x": (1, 2, 32, 32)}).nodes[0]
+    assert conv_cost.flops == 2 * (4 * 32 * 32) * (2 * 3 * 3)
