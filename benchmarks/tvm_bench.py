@@ -405,6 +405,7 @@ def roofline_section(
     from enginekit.evaluate.roofline import cache_bytes, costs, floors
 
     peak, bandwidth = max(rates["peak_gflops"]), max(rates["bandwidth_gbs"])
+    medians = (statistics.median(rates["peak_gflops"]), statistics.median(rates["bandwidth_gbs"]))
     if cache is None:
         cache = cache_bytes() or 0
     lines = [
@@ -458,6 +459,14 @@ def roofline_section(
                                "it out")  # fmt: skip
                 out[b]["goal_verdict"] = verdict
                 lines.append(f"  goal: {verdict}")
+                typical = floors(cost, *medians, cache)
+                out[b]["median_rates"] = typical.to_json()
+                lines.append(
+                    f"  at the median rates ({medians[0]:.0f} GFLOP/s, {medians[1]:.1f} GB/s): "
+                    f"layer-serial {typical.serial_ms:.2f} ms, cache-resident "
+                    f"{typical.resident_ms:.2f}; the goal is {goal / typical.serial_ms:.2f}x and "
+                    f"{goal / typical.resident_ms:.2f}x them"
+                )
         kernels = roof.get("kernels")
         if kernels:
             lines += _kernel_lines(kernels, peak, bandwidth)

@@ -198,6 +198,8 @@ def test_tvm_bench_roofline_says_whether_the_tuning_goal_is_below_the_floors(tmp
         assert floors["weights_ms"] == pytest.approx(4 * 2**20 / 10e9 * 1e3)
         assert floors["goal_ms"] == pytest.approx(ort_ms / 1.3)
         assert any("tvm" in line and "1.43x layer-serial floor" in line for line in lines)
+        # the median rates (75 GFLOP/s, 7.5 GB/s) give a second, higher floor
+        assert floors["median_rates"]["weights_ms"] == pytest.approx(4 * 2**20 / 7.5e9 * 1e3)
         return floors["goal_verdict"]
 
     assert verdict(1.0, cache=0).startswith("at or above the layer-serial floor")

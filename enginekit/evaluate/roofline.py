@@ -371,7 +371,9 @@ def read_bandwidth(
         raise UsageError(f"threads={threads}, repeats={repeats}: need both >= 1")
     if nbytes is None:
         nbytes = max(4 * (cache_bytes() or 0), 256 << 20)
-    data = np.ones(nbytes // 4, np.float32)
+    # distinct values in every page: a hypervisor that merges identical pages (KSM) would
+    # serve an array of one repeated value from a single page, from the cache
+    data = np.arange(nbytes // 4, dtype=np.float32)
     parts = np.array_split(data, threads)
     kernels = (np.max, lambda part: np.dot(part, part))
     best = math.inf
