@@ -17,6 +17,8 @@ ratios differ between AVX-512 and AVX2-only hosts.
                                                         # corpus CNNs (64x64), batches 1,16
     python benchmarks/tvm_bench.py --models corpus --corpus tv-resnet50 --batches 1 \
         --trials 600 --tuning-db r50-db/   # MetaSchedule-tuned ResNet-50 at batch 1; rerun: no trials
+    python benchmarks/tvm_bench.py --models corpus --corpus tv-resnet50 --roofline
+                                        # + latency floors, the goal against them, TVM per kernel
 
 On a host with AVX512-BF16 a ``tvm NHWC bf16`` row is added (precision bf16). The goals table
 at the end says met / not met: untuned TVM NHWC at least as fast as ONNX Runtime on the CNN
