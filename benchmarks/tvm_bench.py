@@ -506,6 +506,22 @@ def _kernel_lines(kernels: dict, peak: float, bandwidth: float) -> list[str]:
             f"{gflop / ms * 1e3:.0f} GFLOP/s ({gflop / ms * 1e3 / peak:.0%} of peak); "
             f"{ms / floor:.2f}x their floors ({floor:.2f} ms)"
         )
+    # A kernel's GEMM rows (output pixels x batch) are its FLOPs over 2 x its weight elements
+    # (4-byte weights): M = 4 is ResNet-50's layer4 at 64x64, 16 its layer3, 64 layer2.
+    by_rows: dict[int, list[dict]] = {}
+    for r in rows:
+        if r["gflop"] and r["weight_bytes"]:
+            m = round(r["gflop"] * 1e9 / (2 * r["weight_bytes"] / 4))
+            by_rows.setdefault(m, []).append(r)
+    for m, part in sorted(by_rows.items()):
+        ms = sum(r["ms"] for r in part)
+        mb = sum(r["weight_bytes"] for r in part) / 1e6
+        gflop = sum(r["gflop"] for r in part)
+        floor = sum(floor_ms(r) for r in part)
+        lines.append(
+            f"    M = {m:5d} rows: {len(part):2d} kernels {ms:6.3f} ms, {mb:5.1f} MB -> "
+            f"{mb / ms:5.1f} GB/s, {gflop / ms * 1e3:4.0f} GFLOP/s, {ms / floor:4.2f}x floors"
+        )
     for r in sorted(rows, key=lambda r: -r["ms"])[:6]:
         lines.append(
             f"    {r['kernel'][:36]:36s} x{r['calls']:g} {r['ms']:6.3f} ms "
