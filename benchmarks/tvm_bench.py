@@ -17,6 +17,8 @@ ratios differ between AVX-512 and AVX2-only hosts.
                                                         # corpus CNNs (64x64), batches 1,16
     python benchmarks/tvm_bench.py --models corpus --corpus tv-resnet50 --batches 1 \
         --trials 600 --tuning-db r50-db/   # MetaSchedule-tuned ResNet-50 at batch 1; rerun: no trials
+    python benchmarks/tvm_bench.py --models corpus --corpus tv-resnet50 --roofline
+                                        # + latency floors, the goal against them, TVM per kernel
 
 On a host with AVX512-BF16 a ``tvm NHWC bf16`` row is added (precision bf16). The goals table
 at the end says met / not met: untuned TVM NHWC at least as fast as ONNX Runtime on the CNN
@@ -30,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -171,9 +175,11 @@ def _run(
     rounds,
     quiet=False,
     pause: float = PAUSE_S,
+    inspect=None,
 ) -> dict:
     """Build every config, time them interleaved; print the table (unless ``quiet``) and
-    return ``{engine: {"build_s", "tune_s", "ms": {batch: ms}, "ratio": {batch: ratio}}}``."""
+    return ``{engine: {"build_s", "tune_s", "ms": {batch: ms}, "ratio": {batch: ratio}}}``;
+    ``inspect(engines)`` is called before the engines close (the per-kernel roofline check)."""
     import enginekit as ek
 
     say = (lambda *a, **k: None) if quiet else print
@@ -214,6 +220,8 @@ def _run(
             table[name]["ratio"][b] = round(ratio, 3)
         say(row)
     say(flush=True)
+    if inspect is not None:
+        inspect(engines)
     for engine in engines.values():
         engine.close()
     return table
@@ -284,9 +292,12 @@ def _corpus_entry(
     quiet: bool,
     tuned: dict | None = None,
     pause: float = PAUSE_S,
+    roofline: dict | None = None,
 ) -> dict:
     """ORT vs untuned TVM on one corpus entry (its cached batch-dynamic ONNX export), and TVM
-    tuned when ``tuned`` (the ``tune`` and ``tuning_db`` build options) is given."""
+    tuned when ``tuned`` (the ``tune`` and ``tuning_db`` build options) is given. With
+    ``roofline`` (a dict), the entry's ONNX path and its untuned TVM engine's per-kernel
+    check at batch 1 are put there under ``"onnx"`` and ``"kernels"``."""
     import sys
 
     root = Path(__file__).resolve().parents[1]
@@ -312,10 +323,212 @@ def _corpus_entry(
             **tuned,
             "tuning_db": str(db),
         }
+    inspect = None
+    if roofline is not None:
+        roofline["onnx"] = prepared.onnx
+        if 1 in batches:
+            inspect = partial(_inspect_kernels, roofline, feeds[1])
     return _run(
         f"corpus {name}", prepared.onnx, shapes, configs, lambda b: feeds[b], batches, rounds,
-        quiet, pause,
+        quiet, pause, inspect,
     )  # fmt: skip
+
+
+#: A kernel whose weights per call are at least this big is "late-stage" in the per-kernel
+#: check: larger than a core's L2 (1 MiB on the hosts seen), so read from L3 or memory.
+LATE_WEIGHT_BYTES = 1 << 20
+
+
+def host_rates(times: int) -> dict:
+    """The float32 matmul peak (GFLOP/s) and the memory read bandwidth (GB/s) measured
+    ``times`` times each, alternating, with the load average before each pair."""
+    from enginekit.evaluate.profile import matmul_peak
+    from enginekit.evaluate.roofline import read_bandwidth
+
+    out: dict = {"peak_gflops": [], "bandwidth_gbs": [], "loadavg": []}
+    for _ in range(times):
+        out["loadavg"].append(round(os.getloadavg()[0], 2))
+        out["peak_gflops"].append(round(matmul_peak(), 1))
+        out["bandwidth_gbs"].append(round(read_bandwidth(), 1))
+    return out
+
+
+def _kernel_weights(engine, feeds: dict) -> dict[str, int]:
+    """Bytes of the weight argument (the second) of each conv2d/matmul kernel of a TVM engine,
+    per call, by kernel symbol (one run of the VM with a call instrument)."""
+    from tvm import relax
+    from tvm.runtime.vm import VMInstrumentReturnKind
+
+    from enginekit.backends import tvm as backend
+
+    vm_engine = backend.load(engine.artifact, "cpu")
+    try:
+        vm = relax.VirtualMachine(vm_engine.library(feeds), vm_engine._dev)
+        args = [vm_engine._to_tvm(np.asarray(feeds[n])) for n in vm_engine.program_inputs]
+        weights: dict[str, int] = {}
+
+        def instrument(func, symbol, before, ret, *call_args):
+            kernel = "conv2d" in symbol or "matmul" in symbol or "dense" in symbol
+            if before and kernel and len(call_args) >= 3:
+                w = call_args[1]
+                weights[symbol] = int(np.prod(w.shape)) * np.dtype(str(w.dtype)).itemsize
+            return int(VMInstrumentReturnKind.NO_OP)
+
+        vm.set_instrument(instrument)
+        vm["main"](*args)
+    finally:
+        vm_engine.close()
+    return weights
+
+
+def _inspect_kernels(roof: dict, feeds: dict, engines: dict) -> None:
+    """Per-kernel times of the untuned TVM engine (``enginekit profile``) with each conv/matmul
+    kernel's weight bytes, into ``roof["kernels"]``."""
+    import enginekit as ek
+
+    engine = engines["tvm"]
+    report = ek.profile(engine, feeds=feeds, runs=20, warmup=3)
+    weights = _kernel_weights(engine, feeds)
+    rows = [
+        {"kernel": o.name, "calls": o.calls, "ms": o.ms, "gflop": o.gflop or 0.0,
+         "weight_bytes": weights[o.name] * o.calls}
+        for o in report.ops if o.name in weights
+    ]  # fmt: skip
+    roof["kernels"] = {"op_ms": report.op_ms, "infer_ms": report.infer_ms, "rows": rows}
+
+
+def roofline_section(
+    report: dict, roofs: dict, rates: dict, batches: list[int], cache: int | None = None
+) -> list[str]:
+    """The roofline lines: per model and batch the floors, each engine's latency as a multiple
+    of the layer-serial floor, the batch-1 tuning goal against it, and the per-kernel check.
+    Also puts the floors into ``report[model]["roofline"]``. ``cache``: the last-level cache
+    size in bytes (default: this host's)."""
+    from enginekit.evaluate.roofline import cache_bytes, costs, floors
+
+    peak, bandwidth = max(rates["peak_gflops"]), max(rates["bandwidth_gbs"])
+    medians = (statistics.median(rates["peak_gflops"]), statistics.median(rates["bandwidth_gbs"]))
+    if cache is None:
+        cache = cache_bytes() or 0
+    lines = [
+        f"roofline: float32 matmul peak {min(rates['peak_gflops']):.0f}-{peak:.0f} GFLOP/s, "
+        f"read bandwidth {min(rates['bandwidth_gbs']):.1f}-{bandwidth:.1f} GB/s "
+        f"({len(rates['peak_gflops'])} measurements each, load {min(rates['loadavg']):.2f}-"
+        f"{max(rates['loadavg']):.2f}); floors use the best of each; last-level cache "
+        f"{cache / 2**20:.0f} MiB"
+    ]
+    for model, roof in roofs.items():
+        rows = report.get(model, {})
+        out = report.setdefault(model, {}).setdefault("roofline", {}) if rows else {}
+        for b in batches:
+            cost = costs(roof["onnx"], shapes=roof.get("shapes", lambda b: None)(b), batch=b)
+            f = floors(cost, peak, bandwidth, cache)
+            out[b] = {"gflop": cost.flops / 1e9, "weight_mb": cost.weight_bytes / 1e6,
+                      **f.to_json()}  # fmt: skip
+            lines.append(
+                f"{model} b{b}: {cost.flops / 1e9:.3f} GFLOP, weights {cost.weight_bytes / 1e6:.1f}"
+                f" MB; floors: compute {f.compute_ms:.2f} ms, weights {f.weights_ms:.2f}, "
+                f"layer-serial {f.serial_ms:.2f} (of which memory-bound nodes {f.bound_ms:.2f}), "
+                f"cache-resident {f.resident_ms:.2f}"
+                + (f"; {len(cost.unknown)} nodes uncounted" if cost.unknown else "")
+            )
+            for engine, row in rows.items():
+                if engine == "roofline" or b not in row["ms"]:
+                    continue
+                ms = row["ms"][b]
+                lines.append(
+                    f"  {engine:32s} {ms:7.2f} ms = {ms / f.serial_ms:5.2f}x layer-serial floor, "
+                    f"{ms / f.resident_ms:5.2f}x cache-resident"
+                )
+            if b == 1 and model.startswith("corpus:") and "onnxruntime" in rows:
+                goal = rows["onnxruntime"]["ms"][b] / TUNED_GOAL
+                out[b]["goal_ms"] = goal
+                lines.append(
+                    f"  {'goal (ORT / ' + format(TUNED_GOAL, 'g') + ')':32s} {goal:7.2f} ms = "
+                    f"{goal / f.serial_ms:5.2f}x layer-serial floor, "
+                    f"{goal / f.resident_ms:5.2f}x cache-resident"
+                )
+                if goal < f.resident_ms:
+                    verdict = ("BELOW both floors: beyond this host even with ideal weight "
+                               "caching")  # fmt: skip
+                elif goal < f.serial_ms:
+                    verdict = ("BELOW the layer-serial floor: beyond this host with layer-by-"
+                               "layer execution that streams the weights every call; above the "
+                               "cache-resident floor (only cross-call weight caching could reach "
+                               "it)")  # fmt: skip
+                else:
+                    verdict = ("at or above the layer-serial floor: the roofline does not rule "
+                               "it out")  # fmt: skip
+                out[b]["goal_verdict"] = verdict
+                lines.append(f"  goal: {verdict}")
+                typical = floors(cost, *medians, cache)
+                out[b]["median_rates"] = typical.to_json()
+                lines.append(
+                    f"  at the median rates ({medians[0]:.0f} GFLOP/s, {medians[1]:.1f} GB/s): "
+                    f"layer-serial {typical.serial_ms:.2f} ms, cache-resident "
+                    f"{typical.resident_ms:.2f}; the goal is {goal / typical.serial_ms:.2f}x and "
+                    f"{goal / typical.resident_ms:.2f}x them"
+                )
+        kernels = roof.get("kernels")
+        if kernels:
+            lines += _kernel_lines(kernels, peak, bandwidth)
+            out["kernels_b1"] = kernels
+    return lines
+
+
+def _kernel_lines(kernels: dict, peak: float, bandwidth: float) -> list[str]:
+    """The per-kernel check: achieved weight GB/s of the late-stage kernels against the read
+    bandwidth, and all conv/matmul kernels' time against their own floors."""
+    rows = kernels["rows"]
+
+    def floor_ms(r: dict) -> float:
+        return max(r["gflop"] / peak, r["weight_bytes"] / 1e9 / bandwidth) * 1e3
+
+    lines = [
+        f"  tvm per kernel at b1 (enginekit profile, 20 runs): op time {kernels['op_ms']:.2f} ms,"
+        f" infer {kernels['infer_ms']:.2f} ms"
+    ]
+    for label, part in (
+        ("late-stage (weights >= 1 MiB a call)",
+         [r for r in rows if r["weight_bytes"] / r["calls"] >= LATE_WEIGHT_BYTES]),
+        ("early (weights < 1 MiB a call)",
+         [r for r in rows if r["weight_bytes"] / r["calls"] < LATE_WEIGHT_BYTES]),
+    ):  # fmt: skip
+        if not part:
+            continue
+        ms = sum(r["ms"] for r in part)
+        mb = sum(r["weight_bytes"] for r in part) / 1e6
+        gflop = sum(r["gflop"] for r in part)
+        floor = sum(floor_ms(r) for r in part)
+        lines.append(
+            f"    {label}: {len(part)} kernels, {ms:.2f} ms, {mb:.1f} MB of weights -> "
+            f"{mb / ms:.1f} GB/s ({mb / ms / bandwidth:.0%} of the read bandwidth), "
+            f"{gflop / ms * 1e3:.0f} GFLOP/s ({gflop / ms * 1e3 / peak:.0%} of peak); "
+            f"{ms / floor:.2f}x their floors ({floor:.2f} ms)"
+        )
+    # A kernel's GEMM rows (output pixels x batch) are its FLOPs over 2 x its weight elements
+    # (4-byte weights): M = 4 is ResNet-50's layer4 at 64x64, 16 its layer3, 64 layer2.
+    by_rows: dict[int, list[dict]] = {}
+    for r in rows:
+        if r["gflop"] and r["weight_bytes"]:
+            m = round(r["gflop"] * 1e9 / (2 * r["weight_bytes"] / 4))
+            by_rows.setdefault(m, []).append(r)
+    for m, part in sorted(by_rows.items()):
+        ms = sum(r["ms"] for r in part)
+        mb = sum(r["weight_bytes"] for r in part) / 1e6
+        gflop = sum(r["gflop"] for r in part)
+        floor = sum(floor_ms(r) for r in part)
+        lines.append(
+            f"    M = {m:5d} rows: {len(part):2d} kernels {ms:6.3f} ms, {mb:5.1f} MB -> "
+            f"{mb / ms:5.1f} GB/s, {gflop / ms * 1e3:4.0f} GFLOP/s, {ms / floor:4.2f}x floors"
+        )
+    for r in sorted(rows, key=lambda r: -r["ms"])[:6]:
+        lines.append(
+            f"    {r['kernel'][:36]:36s} x{r['calls']:g} {r['ms']:6.3f} ms "
+            f"{r['weight_bytes'] / 1e6:6.2f} MB {r['weight_bytes'] / 1e6 / r['ms']:5.1f} GB/s "
+            f"{r['gflop'] / r['ms'] * 1e3:5.0f} GFLOP/s  {r['ms'] / floor_ms(r):5.2f}x floor"
+        )
+    return lines
 
 
 def main() -> None:
@@ -354,6 +567,13 @@ def main() -> None:
         help=f"seconds between engines' blocks of calls, so that one engine's spinning threads "
         f"are idle when the next is timed (default {PAUSE_S}; 0: back to back)",
     )  # fmt: skip
+    ap.add_argument(
+        "--roofline", action="store_true",
+        help="print each model's latency floors (FLOPs at the matmul peak, bytes at the "
+        "measured read bandwidth; enginekit.evaluate.roofline), each engine's latency as a "
+        "multiple of them, the batch-1 tuning goal against them, and (corpus, batch 1) the "
+        "untuned TVM engine's per-kernel weight GB/s",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the results and goals as JSON")
     args = ap.parse_args()
     quiet = args.json
@@ -379,6 +599,10 @@ def main() -> None:
         else None
     )
     say(f"host: {target.cpu_name()}, ISA {' '.join(sorted(target.cpu_flags()))}", flush=True)
+    rates = host_rates(3) if args.roofline else None
+    if rates:
+        say(f"host rates before timing: {rates}", flush=True)
+    roofs: dict = {}
     rng = np.random.default_rng(0)
     if "cnn" in models:
         path = ek.export(
@@ -408,11 +632,15 @@ def main() -> None:
             {"x": [(1, 3, args.size, args.size), full, full]}, configs,
             lambda b: {"x": images[b]}, batches, args.rounds, quiet, args.pause,
         )  # fmt: skip
+        roofs["cnn"] = {"onnx": path}
     if "corpus" in models:
         for name in args.corpus.split(","):
+            roof: dict | None = {} if args.roofline else None
             report[f"corpus:{name}"] = _corpus_entry(
-                name, batches, args.rounds, quiet, tuned, args.pause
+                name, batches, args.rounds, quiet, tuned, args.pause, roof
             )
+            if roof is not None:
+                roofs[f"corpus:{name}"] = roof
     encoder = bert() if "bert" in models else None
     if "bert" in models and encoder is None:
         say("bert: skipped (pip install transformers)")
@@ -436,6 +664,14 @@ def main() -> None:
             bert_configs, lambda b: {"input_ids": tokens[b]}, batches, args.rounds, quiet,
             args.pause,
         )  # fmt: skip
+        roofs["bert"] = {"onnx": path, "shapes": lambda b: {"input_ids": (b, args.seq)}}
+    if rates:
+        after = host_rates(2)
+        say(f"host rates after timing: {after}", flush=True)
+        rates = {k: rates[k] + after[k] for k in rates}
+        report["host"]["rates"] = rates
+        lines = roofline_section(report, roofs, rates, batches)
+        say("\n".join(lines) + "\n", flush=True)
     report["goals"] = goals(report)
     if args.json:
         print(json.dumps(report, indent=1))

@@ -172,3 +172,37 @@ def test_tvm_bench_goals_include_the_dynamic_shape_speed_fraction():
     assert goal["worst_ratio"] == pytest.approx(0.625) and not goal["met"]
     report["bert"]["tvm dynamic only"] = row({1: 0.55, 16: 6.0})
     assert next(g for g in script.goals(report) if "dynamic only" in g["goal"])["met"]
+
+
+def test_tvm_bench_roofline_says_whether_the_tuning_goal_is_below_the_floors(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    script = load_script(ROOT / "benchmarks" / "tvm_bench.py", "bench_tvm")
+    # x [b, 1024] @ W [1024, 1024]: 4 MiB of weights, 2 MFLOP a sample
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1024])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.zeros((1024, 1024), np.float32), "w")],
+    )  # fmt: skip
+    path = tmp_path / "mm.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    # 100 GFLOP/s (compute floor 0.021 ms), 10 GB/s (weights floor 0.419 ms)
+    rates = {"peak_gflops": [50.0, 100.0], "bandwidth_gbs": [10.0, 5.0], "loadavg": [0.1]}
+
+    def verdict(ort_ms: float, cache: int) -> str:
+        report = {"corpus:mm": {"onnxruntime": {"ms": {1: ort_ms}}, "tvm": {"ms": {1: 0.6}}}}
+        lines = script.roofline_section(report, {"corpus:mm": {"onnx": path}}, rates, [1], cache)
+        floors = report["corpus:mm"]["roofline"][1]
+        assert floors["weights_ms"] == pytest.approx(4 * 2**20 / 10e9 * 1e3)
+        assert floors["goal_ms"] == pytest.approx(ort_ms / 1.3)
+        assert any("tvm" in line and "1.43x layer-serial floor" in line for line in lines)
+        # the median rates (75 GFLOP/s, 7.5 GB/s) give a second, higher floor
+        assert floors["median_rates"]["weights_ms"] == pytest.approx(4 * 2**20 / 7.5e9 * 1e3)
+        return floors["goal_verdict"]
+
+    assert verdict(1.0, cache=0).startswith("at or above the layer-serial floor")
+    assert verdict(0.5, cache=0).startswith("BELOW both floors")
+    # weights that fit the cache: the cache-resident floor falls to the compute floor
+    assert verdict(0.5, cache=64 << 20).startswith("BELOW the layer-serial floor")
