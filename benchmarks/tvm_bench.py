@@ -484,6 +484,13 @@ def _kernel_lines(kernels: dict, peak: float, bandwidth: float) -> list[str]:
     def floor_ms(r: dict) -> float:
         return max(r["gflop"] / peak, r["weight_bytes"] / 1e9 / bandwidth) * 1e3
 
+    def totals(part: list[dict]) -> tuple[float, float, float, float]:
+        """ms, MB of weights, GFLOP and floor ms of a group of kernels."""
+        return (
+            sum(r["ms"] for r in part), sum(r["weight_bytes"] for r in part) / 1e6,
+            sum(r["gflop"] for r in part), sum(floor_ms(r) for r in part),
+        )  # fmt: skip
+
     lines = [
         f"  tvm per kernel at b1 (enginekit profile, 20 runs): op time {kernels['op_ms']:.2f} ms,"
         f" infer {kernels['infer_ms']:.2f} ms"
@@ -496,10 +503,7 @@ def _kernel_lines(kernels: dict, peak: float, bandwidth: float) -> list[str]:
     ):  # fmt: skip
         if not part:
             continue
-        ms = sum(r["ms"] for r in part)
-        mb = sum(r["weight_bytes"] for r in part) / 1e6
-        gflop = sum(r["gflop"] for r in part)
-        floor = sum(floor_ms(r) for r in part)
+        ms, mb, gflop, floor = totals(part)
         lines.append(
             f"    {label}: {len(part)} kernels, {ms:.2f} ms, {mb:.1f} MB of weights -> "
             f"{mb / ms:.1f} GB/s ({mb / ms / bandwidth:.0%} of the read bandwidth), "
@@ -514,10 +518,7 @@ def _kernel_lines(kernels: dict, peak: float, bandwidth: float) -> list[str]:
             m = round(r["gflop"] * 1e9 / (2 * r["weight_bytes"] / 4))
             by_rows.setdefault(m, []).append(r)
     for m, part in sorted(by_rows.items()):
-        ms = sum(r["ms"] for r in part)
-        mb = sum(r["weight_bytes"] for r in part) / 1e6
-        gflop = sum(r["gflop"] for r in part)
-        floor = sum(floor_ms(r) for r in part)
+        ms, mb, gflop, floor = totals(part)
         lines.append(
             f"    M = {m:5d} rows: {len(part):2d} kernels {ms:6.3f} ms, {mb:5.1f} MB -> "
             f"{mb / ms:5.1f} GB/s, {gflop / ms * 1e3:4.0f} GFLOP/s, {ms / floor:4.2f}x floors"

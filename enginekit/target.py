@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import platform
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 #: The ISA flags that decide whether compiled CPU code runs (others are noise for us).
@@ -63,6 +64,25 @@ def physical_cores() -> int:
         except OSError:
             return len(cpus) or 1
     return len(cores) or 1
+
+
+def cache_bytes() -> int | None:
+    """The size of this host's last-level cache (Linux sysfs, cpu0's highest level), or None."""
+    best: tuple[int, int] | None = None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
+        try:
+            value = int(size.rstrip("KMGkmg")) * scale
+        except ValueError:
+            continue
+        if best is None or level > best[0]:
+            best = (level, value)
+    return best[1] if best else None
 
 
 def host() -> dict[str, Any]:

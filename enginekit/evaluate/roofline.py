@@ -30,13 +30,13 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from enginekit.errors import UsageError
 from enginekit.model import ModelSource, load_model
+from enginekit.target import cache_bytes
 
 #: Op types whose FLOPs are counted.
 COUNTED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
@@ -323,25 +323,6 @@ def _flops(
 
 
 # -- the host ------------------------------------------------------------------------------------
-
-
-def cache_bytes() -> int | None:
-    """The size of this host's last-level cache (Linux sysfs, cpu0's highest level), or None."""
-    best: tuple[int, int] | None = None
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            level = int((index / "level").read_text())
-            size = (index / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
-        try:
-            value = int(size.rstrip("KMGkmg")) * scale
-        except ValueError:
-            continue
-        if best is None or level > best[0]:
-            best = (level, value)
-    return best[1] if best else None
 
 
 def read_bandwidth(

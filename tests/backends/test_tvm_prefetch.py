@@ -192,3 +192,53 @@ def test_a_marked_tile_loop_prefetches_its_contiguous_weight_stream_ahead_in_the
         ahead = prefetch.STREAM_AHEAD // 4
         assert f"w[t * 8192 + k * 32 + {ahead}]" in lines[prefetches[0]]
         assert f"w[t * 8192 + k * 32 + {ahead + 16}]" in lines[prefetches[1]]
+
+
+@pytest.mark.parametrize("cache", [1 << 20, 256 << 10])
+def test_a_models_weights_beyond_the_last_level_cache_lower_the_stream_threshold(
+    monkeypatch, cache
+):
+    # A 3x3 conv, 128 channels over 4x4 pixels (ResNet-50's layer3 shape, halved): a 147K-
+    # element weight (576 KiB), weight-bound at batch 1, under STREAM_WEIGHT. On a host whose
+    # last-level cache holds the model's weights it is not marked (they stay cached between
+    # calls); where they exceed it (a 256 KiB cache here, as ResNet-50's 102 MB exceed a 32
+    # MiB L3) every weight comes from memory each call, and its stream is prefetched too.
+    import tvm
+    from tvm import relax
+
+    import enginekit.target
+    from enginekit.backends.tvm import placement
+
+    assert placement.STREAM_WEIGHT_EVICTED <= 3 * 3 * 128 * 128 < placement.STREAM_WEIGHT
+    monkeypatch.setattr(enginekit.target, "cache_bytes", lambda: cache)
+    ex, w = _conv_relu(128, 4)
+    evicted = 3 * 3 * 128 * 128 * 4 > cache
+    assert ("@llvm.prefetch" in ex.mod.imports[0].inspect_source("ll")) == evicted
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    rng = np.random.default_rng(2)
+    for batch in (1, 2):
+        data = rng.standard_normal((batch, 4, 4, 128)).astype("float32")
+        got = vm["main"](tvm.runtime.tensor(data)).numpy()
+        np.testing.assert_allclose(got, conv_relu_reference(data, w), rtol=1e-4, atol=1e-4)
+
+
+def test_constant_bytes_counts_each_weight_once():
+    # Two convs sharing one weight and a second weight of its own: 2 weights, counted once each.
+    from tvm import relax, tirx
+
+    from enginekit.backends.tvm import lower
+
+    w = np.zeros((3, 3, 8, 8), "float32")
+    v = np.zeros((1, 1, 8, 8), "float32")
+    x = relax.Var("x", relax.TensorType((tirx.Var("batch", "int64"), 4, 4, 8), "float32"))
+    bb = relax.BlockBuilder()
+    shared = relax.const(w)
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            conv = dict(data_layout="NHWC", kernel_layout="HWIO")
+            y = bb.emit(relax.op.nn.conv2d(x, shared, padding=1, **conv))
+            y = bb.emit(relax.op.nn.conv2d(y, shared, padding=1, **conv))
+            out = bb.emit_output(bb.emit(relax.op.nn.conv2d(y, relax.const(v), **conv)))
+        bb.emit_func_output(out)
+    fused, _target = fuse(bb.get())
+    assert lower.constant_bytes(fused) == w.nbytes + v.nbytes

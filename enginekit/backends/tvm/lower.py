@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 from collections import Counter
@@ -283,6 +284,31 @@ def optimize(
     return graph, fused, barriers
 
 
+def constant_bytes(mod: Any) -> int:
+    """Bytes of the distinct constants the module's Relax functions use (its weights)."""
+    import tvm
+    from tvm import relax
+
+    seen: dict[Any, int] = {}  # by node: one weight used by several calls counts once
+
+    @relax.expr_functor.visitor
+    class Constants(relax.PyExprVisitor):
+        def visit_call_(self, call: Any) -> None:
+            super().visit_call_(call)
+            for arg in call.args:
+                fields = arg.fields if isinstance(arg, relax.Tuple) else [arg]
+                for a in fields:
+                    if isinstance(a, tvm.ir.GenericConst) and a not in seen:
+                        data = a.value
+                        bits = tvm.runtime.DataType(str(data.dtype)).bits
+                        seen[a] = math.prod(int(d) for d in data.shape) * bits // 8
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            Constants().visit_expr(func)
+    return sum(seen.values())
+
+
 def mark_layout_free(mod: Any) -> Any:
     """Mark each kernel's inputs that every call passes a constant (weights) as
     ``layout_free_buffers``, the attribute the CPU rule reads before repacking a weight.
@@ -435,7 +461,9 @@ def apply_schedules(
     from tvm import relax
     from tvm.s_tir import dlight
 
+    from enginekit.backends.tvm.placement import streamed_weights
     from enginekit.backends.tvm.schedule import cpu_rules, gpu_rules
+    from enginekit.target import cache_bytes
 
     tuned: list[str] = []
     with target:
@@ -449,7 +477,8 @@ def apply_schedules(
             # Kernel parameters bound to constants are marked layout-free: the rule may repack
             # those weights, in a block of its own that is split out and folded at build time.
             mod = mark_layout_free(mod)
-            mod = dlight.ApplyDefaultSchedule(*cpu_rules(target, choices, knobs))(mod)
+            with streamed_weights(constant_bytes(mod), cache_bytes()):
+                mod = dlight.ApplyDefaultSchedule(*cpu_rules(target, choices, knobs))(mod)
             mod = tvm.transform.Sequential(
                 [
                     split_repacking(),

@@ -5,6 +5,9 @@ tiles sit in the parallel loop of a weight-bound kernel."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 from enginekit.backends.tvm.simd import _block_factor, _extent, _same
@@ -146,10 +149,34 @@ def _weight_elements(sch: Any, block: Any) -> int:
 #: :func:`_streams_weights`. At 2^18 the demo CNN's 590K-element 3x3 convs were marked too
 #: and it measured slower at batch 16 (one thread: 1.03 of before; ResNet-50 gained alike).
 STREAM_WEIGHT = 1 << 20
+#: The same threshold for a model whose constants do not fit in the last-level cache
+#: (:func:`streamed_weights`): every weight then comes from memory every call, not only the
+#: large ones, and ResNet-50 at 64x64 (102 MB of weights, L3 32 MiB) ran batch 1 in 0.87-0.89
+#: of its time at 2^16 against 2^20 (layer2's and layer3's convs, 147K-590K elements, were at
+#: 2.4x their roofline floor unprefetched), where the demo CNN (weights L3-sized) measured
+#: 1.05-1.14x slower at 2^16: so the lower threshold only where the weights are evicted.
+STREAM_WEIGHT_EVICTED = 1 << 16
+_stream_weight: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "stream_weight", default=STREAM_WEIGHT
+)
+
+
+@contextlib.contextmanager
+def streamed_weights(constant_bytes: int, cache_bytes: int | None) -> Iterator[int]:
+    """Schedule the kernels under this block for a model of ``constant_bytes`` of constants on
+    a host with a last-level cache of ``cache_bytes`` (None: unknown): the weight-stream
+    threshold is :data:`STREAM_WEIGHT_EVICTED` when the constants exceed the cache, else
+    :data:`STREAM_WEIGHT`. Yields the threshold in force."""
+    evicted = cache_bytes is not None and constant_bytes > cache_bytes
+    token = _stream_weight.set(STREAM_WEIGHT_EVICTED if evicted else STREAM_WEIGHT)
+    try:
+        yield _stream_weight.get()
+    finally:
+        _stream_weight.reset(token)
 
 
 def _streams_weights(sch: Any, block: Any) -> bool:
     """Whether the block is weight-bound (:func:`_weight_bound`) with a weight of at least
-    :data:`STREAM_WEIGHT` elements: at batch 1 it streams that weight from memory once per
-    call, and its tile loop is marked for :func:`.prefetch.prefetch_streams`."""
-    return _weight_bound(sch, block) and _weight_elements(sch, block) >= STREAM_WEIGHT
+    the threshold in force (:func:`streamed_weights`): at batch 1 it streams that weight from
+    memory once per call, and its tile loop is marked for :func:`.prefetch.prefetch_streams`."""
+    return _weight_bound(sch, block) and _weight_elements(sch, block) >= _stream_weight.get()
