@@ -242,3 +242,36 @@ def test_constant_bytes_counts_each_weight_once():
         bb.emit_func_output(out)
     fused, _target = fuse(bb.get())
     assert lower.constant_bytes(fused) == w.nbytes + v.nbytes
+
+
+def test_an_epilogue_read_at_a_vector_of_addresses_is_not_prefetched_and_compiles():
+    # A tile whose write-back reads one value into every lane (``r[Broadcast(t, 16)]``), as
+    # MetaSchedule's candidates can write: its index is a vector, with no line to prefetch.
+    # Prefetching its address failed LLVM codegen ("Expected buffer index to be an integer"),
+    # the random failure of the MetaSchedule-tuned build in test_tvm's tuning test.
+    import tvm
+    from tvm.script import tirx as T
+
+    from enginekit.backends.tvm import prefetch
+
+    @T.prim_func
+    def tile(x: T.Buffer((32,), "float32"), r: T.Buffer((8,), "float32"),
+             y: T.Buffer((128,), "float32")):  # fmt: skip
+        T.func_attr({"global_symbol": "tile", "tirx.noalias": True})
+        for t in T.parallel(8):
+            acc = T.alloc_buffer((16,), "float32", scope="local")
+            for j in range(16):
+                acc[j] = T.float32(0)
+            for k in range(4):
+                acc[0:16] = acc[T.Ramp(0, 1, 16)] + T.Broadcast(x[t * 4 + k], 16)
+            y[t * 16 : t * 16 + 16] = acc[T.Ramp(0, 1, 16)] + r[T.Broadcast(t, 16)]
+
+    mod = prefetch.prefetch_epilogues(tvm.IRModule({"tile": tile}))
+    assert "T.prefetch" not in mod["tile"].script()
+    lib = tvm.compile(mod, target="llvm")
+    x = np.arange(32, dtype="float32")
+    r = np.arange(8, dtype="float32") * 100
+    y = tvm.runtime.tensor(np.zeros(128, "float32"))
+    lib["tile"](tvm.runtime.tensor(x), tvm.runtime.tensor(r), y)
+    want = np.repeat(x.reshape(8, 4).sum(1) + r, 16)
+    np.testing.assert_allclose(y.numpy(), want)

@@ -93,6 +93,11 @@ def _prefetches(loads: list[Any], later: dict[Any, Any], inner: list[Any]) -> li
             )
         if any(any(v.same_as(u) for u in (*inner, *later)) for v in _vars(base)):
             continue
+        if tvm.DataType(str(base.ty)).lanes != 1:
+            # A vector of addresses (a Broadcast index, as MetaSchedule's schedules write for
+            # one value read into every lane): no single line to prefetch, and LLVM refuses a
+            # vector index in an address ("Expected buffer index to be an integer").
+            continue
         width = tvm.DataType(buffer.dtype).bits // 8
         for offset in range(0, lanes * width, LINE):
             key = (buffer.name, str(base), offset)
