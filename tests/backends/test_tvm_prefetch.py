@@ -114,13 +114,24 @@ def _conv_relu(channels: int, pixels: int):
     return lower.compile_module(scheduled, target), w
 
 
+def _check_conv_relu(ex, w: np.ndarray, pixels: int, seed: int) -> None:
+    """``ex`` (from :func:`_conv_relu`) matches the reference at batch 1 and 2."""
+    import tvm
+    from tvm import relax
+
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    rng = np.random.default_rng(seed)
+    for batch in (1, 2):
+        data = rng.standard_normal((batch, pixels, pixels, w.shape[2])).astype("float32")
+        got = vm["main"](tvm.runtime.tensor(data)).numpy()
+        np.testing.assert_allclose(got, conv_relu_reference(data, w), rtol=1e-4, atol=1e-4)
+
+
 def test_a_weight_bound_convs_large_weight_stream_is_prefetched_ahead_and_results_match():
     # ResNet-50's last-stage 3x3 conv at 64x64 inputs: 2x2 pixels, 512 channels, a 9 MB
     # weight read once per call at batch 1 (from memory: it does not stay in cache between
     # calls). Its tile loop is marked and its reduction loop prefetches the packed weight
     # stream ahead. A conv whose weight fits a core's cache (32 channels) is not marked.
-    import tvm
-    from tvm import relax
 
     from enginekit.backends.tvm import placement
 
@@ -129,12 +140,7 @@ def test_a_weight_bound_convs_large_weight_stream_is_prefetched_ahead_and_result
     assert "@llvm.prefetch" in ex.mod.imports[0].inspect_source("ll")
     small, _ = _conv_relu(32, 16)
     assert "@llvm.prefetch" not in small.mod.imports[0].inspect_source("ll")
-    vm = relax.VirtualMachine(ex, tvm.cpu())
-    rng = np.random.default_rng(1)
-    for batch in (1, 2):
-        data = rng.standard_normal((batch, 2, 2, 512)).astype("float32")
-        got = vm["main"](tvm.runtime.tensor(data)).numpy()
-        np.testing.assert_allclose(got, conv_relu_reference(data, w), rtol=1e-4, atol=1e-4)
+    _check_conv_relu(ex, w, 2, seed=1)
 
 
 def _stream_kernel(marked: bool):
@@ -203,8 +209,6 @@ def test_a_models_weights_beyond_the_last_level_cache_lower_the_stream_threshold
     # last-level cache holds the model's weights it is not marked (they stay cached between
     # calls); where they exceed it (a 256 KiB cache here, as ResNet-50's 102 MB exceed a 32
     # MiB L3) every weight comes from memory each call, and its stream is prefetched too.
-    import tvm
-    from tvm import relax
 
     import enginekit.target
     from enginekit.backends.tvm import placement
@@ -214,12 +218,7 @@ def test_a_models_weights_beyond_the_last_level_cache_lower_the_stream_threshold
     ex, w = _conv_relu(128, 4)
     evicted = 3 * 3 * 128 * 128 * 4 > cache
     assert ("@llvm.prefetch" in ex.mod.imports[0].inspect_source("ll")) == evicted
-    vm = relax.VirtualMachine(ex, tvm.cpu())
-    rng = np.random.default_rng(2)
-    for batch in (1, 2):
-        data = rng.standard_normal((batch, 4, 4, 128)).astype("float32")
-        got = vm["main"](tvm.runtime.tensor(data)).numpy()
-        np.testing.assert_allclose(got, conv_relu_reference(data, w), rtol=1e-4, atol=1e-4)
+    _check_conv_relu(ex, w, 4, seed=2)
 
 
 def test_constant_bytes_counts_each_weight_once():
