@@ -5,6 +5,7 @@ tiles sit in the parallel loop of a weight-bound kernel."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 from collections.abc import Iterator
@@ -180,3 +181,77 @@ def _streams_weights(sch: Any, block: Any) -> bool:
     the threshold in force (:func:`streamed_weights`): at batch 1 it streams that weight from
     memory once per call, and its tile loop is marked for :func:`.prefetch.prefetch_streams`."""
     return _weight_bound(sch, block) and _weight_elements(sch, block) >= _stream_weight.get()
+
+
+#: Register rows a single-pass tile (:func:`_single_pass_rows`) may hold: one vector of
+#: accumulators per row plus the weight vector stay in AVX-512's 32 registers at 16 rows and in
+#: AVX2's 16 at 12.
+SINGLE_PASS_ROWS, SINGLE_PASS_ROWS_AVX2 = 16, 12
+#: Lines of a tile's rows that may share one L1 set (4 KiB apart): 8, the ways of the smallest
+#: common L1 (Zen 4's 32 KiB, 8-way; Zen 5's and Intel's 48 KiB are 12-way).
+ALIASED_LINES = 8
+#: Bytes between addresses that fall in the same L1 set (64 sets of 64-byte lines).
+_SET_PERIOD = 4096
+
+
+def _activation(sch: Any, block: Any) -> Any:
+    """The block's activation read (leading dim the output's), or None; see
+    :func:`_weight_bound`."""
+    stmt = sch.get(block)
+    out = stmt.writes[0].source
+    for region in stmt.reads:
+        buf = region.source
+        if buf.same_as(out):
+            continue
+        if buf.shape and out.shape and _same(buf.shape[0], out.shape[0]) and len(buf.shape) > 1:
+            return buf
+    return None
+
+
+def _single_pass_rows(sch: Any, block: Any, rows: Any, v_extent: int | None, lanes: int) -> int:
+    """The register rows of a weight-streaming kernel's tile (:func:`_streams_weights`) that
+    covers all of its pixel rows ``rows`` (a loop) in one vector of accumulators, or 0 where
+    the default's tile stays.
+
+    The default tile (8 rows x 2 vectors) splits ResNet-50's layer3 (4x4 = 16 pixels at 64x64
+    inputs) in two, so each thread read its weight strip twice: once from memory, at memory
+    speed, and once from L2, at compute speed, without overlap. A 16 x 1 tile reads each
+    weight vector once for 16 FMAs: the stream and the FMAs overlap. Only where the rows'
+    activation lines do not pile into one L1 set (:func:`_lines_per_set`): 16 pixels of
+    1024 channels are 4 KiB apart, all in one set of an 8- or 12-way cache, and thrashed it
+    (a chain of 1x1 1024 -> 256 -> 1024 convs: 16 x 1 measured 1.1x slower than 8 x 2 at
+    1024 channels, 1.13x faster at 1008). ResNet-50 at batch 1 (two threads, medians of 21-25
+    interleaved rounds, the VM's per-kernel times): layer3 0.92-0.94 ms against 1.04-1.05,
+    its 3x3 convs and 256-channel-input 1x1 convs as 16 x 1; the whole model 0.79 of ONNX
+    Runtime's latency against 0.85 in one interleaved run."""
+    if not _streams_weights(sch, block) or v_extent is None or v_extent % lanes:
+        return 0
+    extent = _extent(sch, rows)
+    top = SINGLE_PASS_ROWS if lanes >= 16 else SINGLE_PASS_ROWS_AVX2
+    if extent is None or extent > top or extent <= _block_factor(extent, lanes):
+        return 0
+    if _lines_per_set(sch, block, extent) > ALIASED_LINES:
+        return 0
+    return extent
+
+
+def _lines_per_set(sch: Any, block: Any, rows: int) -> int:
+    """The most activation lines that ``rows`` pixels of an NHWC kernel's tile (row-major over
+    its output's H x W) read at one reduction step and that fall in one L1 set (addresses a
+    multiple of 4 KiB apart); the rows' count where the layout is not a static NHWC pair."""
+    import tvm
+    from tvm import tirx
+
+    act = _activation(sch, block)
+    out = sch.get(block).writes[0].source
+    dims = [*act.shape[1:], *out.shape[1:]] if act is not None and len(act.shape) == 4 else []
+    if len(dims) != 6 or not all(isinstance(d, tirx.IntImm) for d in dims):
+        return rows
+    h_in, w_in, channels, h_out, w_out, _ = (int(d) for d in dims)
+    sh, sw = max(h_in // h_out, 1), max(w_in // w_out, 1)  # the conv's strides
+    pitch = channels * tvm.DataType(str(act.dtype)).bits // 8
+    sets = collections.Counter(
+        ((p // w_out * sh * w_in + p % w_out * sw) * pitch // 64) % (_SET_PERIOD // 64)
+        for p in range(rows)
+    )
+    return max(sets.values())

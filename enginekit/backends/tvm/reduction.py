@@ -15,6 +15,7 @@ from enginekit.backends.tvm.placement import (
     _fuse_short_rows,
     _narrow_window,
     _pads_inner_axis,
+    _single_pass_rows,
     _streams_weights,
 )
 from enginekit.backends.tvm.prefetch import STREAM
@@ -141,8 +142,11 @@ def _schedule_reduction(
         fv *= 2
     fu_override = None
     width = knobs.vectors * lanes if knobs is not None and knobs.vectors else None
+    single = _single_pass_rows(sch, block, outer[-1], v_extent, lanes) if reduce and outer else 0
     if reduce and width and v_extent is not None and v_extent % width == 0:
         fv = width
+    elif single:
+        fu_override, fv = single, lanes
     elif reduce and outer and fv is not None:
         fu_override, fv = _half_vector_rows(sch, outer[-1], v_extent, fv, lanes)
     if fv is None:
