@@ -149,9 +149,13 @@ STREAM = "enginekit_stream_weights"
 
 #: How far ahead (bytes) a marked tile's weight stream is prefetched, in every step of its
 #: innermost reduction loop (one prefetch per cache line the step reads). ResNet-50 at batch
-#: 1, one thread, CPU time per call against none: 1024 B 0.97, 2048 B 0.92-0.96, 4096 B
-#: 0.89-0.93, 8192 B 0.91 (medians of 11 alternating rounds, loaded host).
-STREAM_AHEAD = 4096
+#: 1, one thread, CPU time per call against none, with the 8 x 2 tiles of round 16: 1024 B
+#: 0.97, 2048 B 0.92-0.96, 4096 B 0.89-0.93, 8192 B 0.91 (medians of 11 alternating rounds,
+#: loaded host). Since layer3's tiles read each weight vector once for 16 FMAs
+#: (:func:`.placement._single_pass_rows`), 8192 B: layer3 0.74 ms against 0.79 at 4096 B
+#: (two threads, two builds of each alternating, medians of 21 rounds, the VM's per-kernel
+#: times); layer4 and the rest unchanged, 16384 B no better.
+STREAM_AHEAD = 8192
 
 
 def _innermost(stmt: Any) -> Any:
